@@ -1,0 +1,31 @@
+# The two commands of the README: `make quickstart` and `make test`. Both set up .venv first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build of PyTorch for CI and laptops; GPU users install their CUDA torch into the venv
+# first (or run `make TORCH=torch`): an existing torch is kept.
+TORCH ?= torch==2.13.0
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: install test quickstart bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	@echo "== setting up $(VENV)"
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+test: install
+	$(PY) -m pytest -q -rs tests
+
+quickstart: install
+	bash scripts/quickstart.sh
+
+bench: install
+	multipath-bench --out results/bench
+
+clean:
+	rm -rf $(VENV) work results

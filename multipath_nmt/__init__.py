@@ -1,0 +1,14 @@
+"""multipath_nmt: a fairseq user-dir (``--user-dir multipath_nmt``).
+
+Importing it fixes what fairseq 0.12 needs on today's PyTorch (:mod:`multipath_nmt.compat`) and
+registers the models, architectures and criterions.
+"""
+import os
+
+from multipath_nmt import compat
+
+compat.install()
+
+USER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+from multipath_nmt import criterions, models  # noqa: E402,F401  (registration side effects)

@@ -1,0 +1,147 @@
+"""What fairseq 0.12 needs to run on today's PyTorch, installed once when the plug-in is imported.
+
+* ``torch.load`` defaults to ``weights_only=True`` since PyTorch 2.6, and fairseq checkpoints
+  pickle an ``argparse.Namespace``. We allow-list exactly that global instead of switching the
+  protection off; a checkpoint that needs more fails with :class:`UntrustedCheckpointError`,
+  which names the globals and the explicit way to trust them
+  (``MULTIPATH_NMT_TRUST_GLOBALS=module.Name,...`` or :func:`trust_globals`).
+* Distributed resume broadcasts rank 0's loaded state (an OmegaConf config) to the other ranks
+  through ``torch.load``; that in-memory payload comes from our own process group, and only the
+  OmegaConf containers it holds are allowed while it is read.
+* fairseq saves checkpoints atomically but *copies* ``checkpoint_last.pt`` (and the best/epoch
+  copies) in place, so a kill during the copy leaves an unloadable file. Copies go through a
+  temporary file and ``os.replace``.
+"""
+import argparse
+import collections
+import functools
+import importlib
+import os
+import pickle
+import shutil
+import tempfile
+import typing
+
+import torch
+
+TRUST_ENV = "MULTIPATH_NMT_TRUST_GLOBALS"
+
+# Everything a fairseq checkpoint pickles besides tensors and builtin containers.
+CHECKPOINT_GLOBALS = [argparse.Namespace]
+
+
+class UntrustedCheckpointError(pickle.UnpicklingError):
+    """A checkpoint pickles a global that is not on the allow-list."""
+
+
+def _broadcast_globals():
+    from omegaconf import base, dictconfig, listconfig, nodes
+
+    return [
+        typing.Any, dict, int, list, collections.defaultdict,
+        dictconfig.DictConfig, listconfig.ListConfig, nodes.AnyNode,
+        base.ContainerMetadata, base.Metadata,
+    ]
+
+
+def _resolve(dotted):
+    module_name, _, attr = dotted.strip().rpartition(".")
+    if not module_name:
+        raise ValueError(f"{TRUST_ENV}: '{dotted}' is not a dotted name like 'numpy.dtype'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def trust_globals(*objects_or_names):
+    """Explicitly allow more globals in checkpoints (objects or dotted names). Only for files you trust."""
+    objects = [_resolve(o) if isinstance(o, str) else o for o in objects_or_names]
+    torch.serialization.add_safe_globals(objects)
+    return objects
+
+
+def _untrusted_globals(path):
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
+               if hasattr(g, "__qualname__")}
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a zip checkpoint: torch's own message is the best we have
+        return []
+    return [g for g in found if g not in allowed]
+
+
+def _explain_untrusted(load):
+    @functools.wraps(load)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return load(path, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            if "Weights only load failed" not in str(err):
+                raise
+            names = _untrusted_globals(path) or ["(see the torch error above)"]
+            raise UntrustedCheckpointError(
+                f"{path} pickles globals that are not allow-listed for safe loading: "
+                f"{', '.join(names)}. If you trust this file, allow them explicitly with "
+                f"{TRUST_ENV}={','.join(names)} (or multipath_nmt.compat.trust_globals(...) in "
+                "Python); multipath_nmt only allow-lists argparse.Namespace by default."
+            ) from err
+
+    load_checkpoint_to_cpu.__multipath_nmt_patched__ = True
+    return load_checkpoint_to_cpu
+
+
+def _trusting_broadcast(broadcast):
+    @functools.wraps(broadcast)
+    def _broadcast_object_slow(*args, **kwargs):
+        with torch.serialization.safe_globals(_broadcast_globals()):
+            return broadcast(*args, **kwargs)
+
+    _broadcast_object_slow.__multipath_nmt_patched__ = True
+    return _broadcast_object_slow
+
+
+def atomic_copy(src, dst, overwrite=False):
+    """Copy through a temporary file in the destination folder, then rename over ``dst``."""
+    if not overwrite and os.path.exists(dst):
+        return False
+    folder = os.path.dirname(os.path.abspath(dst))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(dst) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+            shutil.copyfileobj(inp, out, length=16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return True
+
+
+def install():
+    """Idempotent: patch fairseq for PyTorch >= 2.6 checkpoints and atomic checkpoint copies."""
+    from fairseq import checkpoint_utils
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.file_io import PathManager
+
+    if hasattr(torch.serialization, "add_safe_globals"):
+        torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS)
+        trusted = os.environ.get(TRUST_ENV, "")
+        if trusted.strip():
+            trust_globals(*[n for n in trusted.split(",") if n.strip()])
+        if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "__multipath_nmt_patched__", False):
+            checkpoint_utils.load_checkpoint_to_cpu = _explain_untrusted(
+                checkpoint_utils.load_checkpoint_to_cpu)
+        if not getattr(distributed_utils._broadcast_object_slow, "__multipath_nmt_patched__", False):
+            distributed_utils._broadcast_object_slow = _trusting_broadcast(
+                distributed_utils._broadcast_object_slow)
+
+    if not getattr(PathManager.copy, "__multipath_nmt_patched__", False):
+        original_copy = PathManager.copy
+
+        def copy(src_path, dst_path, overwrite=False):
+            if "://" in src_path or "://" in dst_path:  # remote storage: leave it to iopath
+                return original_copy(src_path, dst_path, overwrite)
+            return atomic_copy(src_path, dst_path, overwrite)
+
+        copy.__multipath_nmt_patched__ = True
+        PathManager.copy = staticmethod(copy)

@@ -1,0 +1,1 @@
+"""Plain PyTorch modules; none of them imports fairseq."""

@@ -1,0 +1,37 @@
+"""multipath_nmt: a fairseq plug-in for Multi-Path Transformers, shared-MoE encoders, EWA and ParameterNet."""
+from setuptools import find_packages, setup
+
+setup(
+    name="multipath_nmt",
+    version="0.1.0",
+    description="Multi-Path Transformer, WideNet, EWA and ParameterNet for fairseq NMT",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["multipath_nmt", "multipath_nmt.*"]),
+    install_requires=[
+        # fairseq 0.12.2 does not install on Python >= 3.11; ve-fairseq is the same
+        # 0.12 code base with prebuilt cp311/cp312 wheels (see README, "Why ve-fairseq").
+        "ve-fairseq==0.12.3",
+        "torch>=2.1",
+        "numpy>=1.24",
+        "sacremoses>=0.1",
+        "subword-nmt>=0.3.8",
+        "sacrebleu>=2.3",
+        "matplotlib>=3.7",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+    entry_points={
+        "console_scripts": [
+            "multipath-average=multipath_nmt.cli.average:cli_main",
+            "multipath-score=multipath_nmt.cli.score:cli_main",
+            "multipath-params=multipath_nmt.cli.params:cli_main",
+            "multipath-inspect=multipath_nmt.cli.inspect:cli_main",
+            "multipath-convert-ewa=multipath_nmt.cli.convert_ewa:cli_main",
+            "multipath-plot-log=multipath_nmt.cli.plot_log:cli_main",
+            "multipath-bench=multipath_nmt.cli.bench:cli_main",
+            "multipath-prepare=multipath_nmt.cli.prepare:cli_main",
+            "multipath-make-corpus=multipath_nmt.cli.make_corpus:cli_main",
+        ]
+    },
+)

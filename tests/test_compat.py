@@ -1,0 +1,80 @@
+"""The plug-in makes fairseq checkpoints load on PyTorch >= 2.6 while keeping weights_only."""
+import pickle
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
+
+import multipath_nmt  # noqa: F401  (installs the fixes)
+from multipath_nmt import compat
+
+
+class NotAllowListed:
+    pass
+
+
+@pytest.fixture(scope="module")
+def trained(toy_data_bin, tmp_path_factory):
+    save = tmp_path_factory.mktemp("compat") / "ck"
+    common = [toy_data_bin, "--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL, *TRAIN_FLAGS,
+              "--save-dir", save]
+    first = run_fairseq("train", *common, "--max-update", "3")
+    return common, save, first
+
+
+def test_namespace_is_allowed_and_nothing_more(trained, tmp_path):
+    from fairseq import checkpoint_utils
+
+    _, save, _ = trained
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(save / "checkpoint_last.pt"))
+    assert state["cfg"]["model"].arch == "transformer_prenorm_wmt_en_de"  # an argparse.Namespace
+
+    raw = torch.load(save / "checkpoint_last.pt", weights_only=False)
+    raw["extra_state"]["evil"] = NotAllowListed()
+    path = tmp_path / "untrusted.pt"
+    torch.save(raw, path)
+    with pytest.raises(compat.UntrustedCheckpointError) as err:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    message = str(err.value)
+    assert "test_compat.NotAllowListed" in message
+    assert "MULTIPATH_NMT_TRUST_GLOBALS=test_compat.NotAllowListed" in message
+
+
+def test_weights_only_protection_stays_on(tmp_path):
+    path = tmp_path / "plain.pt"
+    torch.save({"x": NotAllowListed()}, path)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path)
+
+
+def test_atomic_copy_leaves_no_partial_file(tmp_path, monkeypatch):
+    from fairseq.file_io import PathManager
+
+    src = tmp_path / "checkpoint1.pt"
+    src.write_bytes(b"new" * 1000)
+    dst = tmp_path / "checkpoint_last.pt"
+    dst.write_bytes(b"old")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # a kill in the middle of the copy
+
+    monkeypatch.setattr(compat.shutil, "copyfileobj", crash)
+    with pytest.raises(KeyboardInterrupt):
+        PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint1.pt", "checkpoint_last.pt"]
+    monkeypatch.undo()
+    assert PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == src.read_bytes()
+
+
+def test_train_resume_and_generate_without_environment(trained, toy_data_bin):
+    """Stock fairseq on torch >= 2.6 cannot resume; through the plug-in it can."""
+    common, save, _ = trained
+    resumed = run_fairseq("train", *common, "--max-update", "6")
+    log = resumed.stderr + resumed.stdout
+    assert "Loaded checkpoint" in log and "num_updates 6" in log
+    out = run_fairseq("generate", toy_data_bin, "--path", save / "checkpoint_last.pt",
+                      "--beam", "2", "--max-len-b", "10", "--cpu", "--max-sentences", "8")
+    assert out.stdout.count("\nH-") == 40
