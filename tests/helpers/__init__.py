@@ -1,0 +1,1 @@
+"""Drivers shared by the robustness tests (crash-resume, distributed, determinism)."""
