@@ -1,0 +1,184 @@
+"""Tokenized BLEU exactly as Moses' ``multi-bleu.perl`` prints it, plus detokenized sacreBLEU.
+
+``multi-bleu.perl`` reads bytes, not text: lines are ``chop``-ped (the last byte of an
+unterminated final line is dropped), words are split on ASCII whitespace only and ``-lc``
+lowercases ASCII only. We keep those semantics by working on ``bytes``. The n-gram statistics
+come from sacreBLEU (``tokenize='none'``, no smoothing); since sacreBLEU splits on *Unicode*
+whitespace, every byte-level word is first replaced by a whitespace-free id, which leaves the
+counts unchanged. The final number is then computed in the script's own floating-point order
+so that ``%.2f`` rounds the same way.
+"""
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import sacrebleu
+
+# fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
+_COMPOUND = re.compile(rb"(\S)-(\S)")
+_GENERATE_LINE = re.compile(r"^([HTD])-(\d+)\t")
+
+
+class ScoringError(ValueError):
+    """Input that cannot be scored (missing file, line count mismatch, incomplete output)."""
+
+
+def read_bytes(path) -> bytes:
+    if not os.path.isfile(path):
+        raise ScoringError(f"{path}: no such file; pass an existing hypothesis/reference file")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def perl_lines(data: bytes) -> List[bytes]:
+    """Lines as ``while(<FH>) { chop; ... }`` sees them (chop drops the last byte, newline or not)."""
+    return [line[:-1] for line in _split_on_newline(data)]
+
+
+def _split_on_newline(data: bytes) -> List[bytes]:
+    """Split after every b"\\n" only (perl's $/), keeping the terminators."""
+    parts = data.split(b"\n")
+    lines = [p + b"\n" for p in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def compound_split(data: bytes) -> bytes:
+    """``perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'``: every output line ends with a newline."""
+    chomped = (line[:-1] if line.endswith(b"\n") else line for line in _split_on_newline(data))
+    return b"".join(_COMPOUND.sub(rb"\1 ##AT##-##AT## \2", line) + b"\n" for line in chomped)
+
+
+@dataclass
+class MultiBleu:
+    correct: List[int]
+    total: List[int]
+    hyp_len: int
+    ref_len: int
+
+    @property
+    def precisions(self) -> List[float]:
+        return [c / t if t else 0.0 for c, t in zip(self.correct, self.total)]
+
+    @property
+    def brevity_penalty(self) -> float:
+        if self.hyp_len < self.ref_len:
+            return math.exp(1 - self.ref_len / self.hyp_len)
+        return 1.0
+
+    @property
+    def bleu(self) -> float:
+        """BLEU in [0, 1]; a zero precision contributes log = -9999999999, i.e. BLEU 0, as in the script."""
+        logs = [math.log(p) if p else -9999999999 for p in self.precisions]
+        return self.brevity_penalty * math.exp((logs[0] + logs[1] + logs[2] + logs[3]) / 4)
+
+    def __str__(self):
+        p = self.precisions
+        return ("BLEU = %.2f, %.1f/%.1f/%.1f/%.1f (BP=%.3f, ratio=%.3f, hyp_len=%d, ref_len=%d)" % (
+            100 * self.bleu, 100 * p[0], 100 * p[1], 100 * p[2], 100 * p[3],
+            self.brevity_penalty, self.hyp_len / self.ref_len, self.hyp_len, self.ref_len))
+
+
+def multi_bleu(hyp_lines: Sequence[bytes], ref_streams: Sequence[Sequence[bytes]],
+               lowercase: bool = False) -> MultiBleu:
+    """multi-bleu.perl's statistics for byte lines (already chopped); one stream per reference."""
+    for i, stream in enumerate(ref_streams):
+        if len(stream) != len(hyp_lines):
+            raise ScoringError(f"reference {i} has {len(stream)} lines but the hypothesis has "
+                               f"{len(hyp_lines)}; score files of the same test set")
+    ids = {}
+
+    def as_ids(line: bytes) -> str:
+        words = line.lower().split() if lowercase else line.split()  # ASCII-only, like perl on bytes
+        return " ".join(ids.setdefault(w, str(len(ids))) for w in words)
+
+    bleu = sacrebleu.BLEU(tokenize="none", smooth_method="none", force=True)
+    score = bleu.corpus_score([as_ids(h) for h in hyp_lines],
+                              [[as_ids(r) for r in stream] for stream in ref_streams])
+    stats = MultiBleu(list(score.counts), list(score.totals), score.sys_len, score.ref_len)
+    if stats.ref_len == 0:
+        raise ScoringError("the references are empty (0 words); multi-bleu.perl gives no score")
+    if stats.hyp_len == 0:
+        raise ScoringError("the hypothesis is empty (0 words); multi-bleu.perl dies on it "
+                           "(division by zero in the brevity penalty)")
+    return stats
+
+
+def reference_paths(stem) -> List[str]:
+    """multi-bleu.perl's reference lookup: STEM0, STEM1, ... then STEM itself (or STEM.ref0...)."""
+    stem = str(stem)
+    if not os.path.exists(stem) and not os.path.exists(stem + "0") and os.path.exists(stem + ".ref0"):
+        stem += ".ref"
+    paths = []
+    while os.path.exists(f"{stem}{len(paths)}"):
+        paths.append(f"{stem}{len(paths)}")
+    if os.path.exists(stem):
+        paths.append(stem)
+    if not paths:
+        raise ScoringError(f"{stem}: reference file not found (looked for {stem} and {stem}0, "
+                           f"{stem}1, ...)")
+    return paths
+
+
+def multi_bleu_files(hyp_path, ref_stem, lowercase=False, compound=False) -> MultiBleu:
+    """``multi-bleu.perl [-lc] REF < HYP``, after the compound-split rule on both sides if asked."""
+    def load(path):
+        data = read_bytes(path)
+        return perl_lines(compound_split(data) if compound else data)
+
+    refs = [load(p) for p in reference_paths(ref_stem)]
+    return multi_bleu(load(hyp_path), refs, lowercase=lowercase)
+
+
+def read_generate_output(path, hyp_field: str = "H"):
+    """Hypotheses and references from ``fairseq-generate`` output, sorted by sentence id.
+
+    Refuses files the run did not finish (no final ``Generate ... with beam=`` line) and files
+    with missing or unpaired ids. With ``--nbest`` > 1 the first (best) hypothesis is kept.
+    """
+    text = read_bytes(path).decode("utf-8", errors="surrogateescape")
+    lines = text.split("\n")
+    if not any(line.startswith("Generate ") and " with beam=" in line for line in lines[-3:]):
+        raise ScoringError(f"{path}: no final 'Generate ... with beam=...' line, so "
+                           "fairseq-generate did not finish (or ran without targets); re-run it")
+    hyps, refs = {}, {}
+    for line in lines:
+        match = _GENERATE_LINE.match(line)
+        if not match:
+            continue
+        kind, sid = match.group(1), int(match.group(2))
+        fields = line.split("\t")
+        if kind == "T":
+            refs[sid] = "\t".join(fields[1:])
+        elif kind == hyp_field and sid not in hyps:
+            hyps[sid] = "\t".join(fields[2:])
+    if not refs:
+        raise ScoringError(f"{path}: no T- (reference) lines; generate with a target side")
+    expected = set(range(max(refs) + 1))
+    for name, found in (("reference (T-)", refs), (f"hypothesis ({hyp_field}-)", hyps)):
+        missing = sorted(expected - set(found))
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise ScoringError(f"{path}: {len(missing)} sentence id(s) without a {name} line: "
+                               f"{shown}; the file is incomplete, re-run fairseq-generate")
+    order = sorted(expected)
+    return [hyps[i] for i in order], [refs[i] for i in order]
+
+
+def detokenize(lines: Sequence[str], lang: Optional[str]) -> List[str]:
+    """Moses-detokenize tokenized lines for ``lang`` (sacremoses); unchanged when lang is None."""
+    if lang is None:
+        return list(lines)
+    from sacremoses import MosesDetokenizer
+
+    detok = MosesDetokenizer(lang=lang)
+    return [detok.detokenize(line.split()) for line in lines]
+
+
+def sacrebleu_score(hyps: Sequence[str], ref_streams: Sequence[Sequence[str]]):
+    """Default (13a, mixed case) corpus sacreBLEU on detokenized text: (score, signature)."""
+    bleu = sacrebleu.BLEU()
+    return bleu.corpus_score(list(hyps), [list(r) for r in ref_streams]), bleu.get_signature()

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Tokenized BLEU identical to multi-bleu.perl (line 1) and detokenized sacreBLEU (line 2).
+#   scripts/score.sh --sys HYP --ref REF [--compound-split] [--lang de] [-lc]
+#   scripts/score.sh --generate-output gen.out [--compound-split] [--lang de]
+# PYTHON selects the interpreter that has multipath_nmt installed (default: python).
+set -euo pipefail
+echo "score.sh: multipath-score $*" >&2
+exec "${PYTHON:-python}" -m multipath_nmt.cli.score "$@"

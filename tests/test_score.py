@@ -1,0 +1,203 @@
+"""multipath-score prints exactly the line of the real multi-bleu.perl, and refuses bad input."""
+import io
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, clean_env, run_cli
+
+from multipath_nmt import scoring
+from multipath_nmt.cli.score import get_parser, score
+
+MULTI_BLEU = ROOT / "tests" / "fixtures" / "multi-bleu.perl"
+needs_perl = pytest.mark.skipif(shutil.which("perl") is None, reason="perl not installed")
+
+# (hypothesis file content, [reference file contents]) as bytes, exactly as written to disk.
+CASES = {
+    "identical": (b"a b c d e\nthe cat sat on the mat .\n", [b"a b c d e\nthe cat sat on the mat .\n"]),
+    "brevity_penalty": (b"the cat\non the mat\n", [b"the cat sat\non the mat today , dear\n"]),
+    "empty_hypothesis_lines": (b"\nthe cat sat on the mat\n\n", [b"a b\nthe cat sat on the mat\nc d e\n"]),
+    "zero_4gram_matches": (b"a b c x d e f\n", [b"a b c d e f g\n"]),
+    "zero_all_matches": (b"x y z\n", [b"a b c\n"]),
+    "clipping": (b"the the the the the the the\n", [b"the cat is on the mat\n"]),
+    "repeated_spaces_tabs": (b"  the   cat\tsat  on \t the mat  \n", [b"the cat  sat on the   mat\n"]),
+    "longer_than_reference": (b"the cat sat on the red mat in the house\n", [b"the cat sat on the mat\n"]),
+    "multiple_refs_closest_tie": (b"a b c d\ne f g h i\n",
+                                  [b"a b c\ne f g h i j\n", b"a b c d e\ne f g h\n"]),
+    "unicode": ("Grüße aus Köln , „ sagte “ er – ja\nÄrger über 5 € — naïve café\n".encode(),
+                ["Grüße aus Köln , „ sagte “ sie – ja\nÄrger über 5 € – naive café\n".encode()]),
+    # U+00A0 (no-break space) and U+3000 are not whitespace for perl on bytes: they stay inside words.
+    "unicode_whitespace": ("a\u00a0b c\u3000d e\n".encode(), ["a\u00a0b c d e\n".encode()]),
+    "no_final_newline": (b"the cat sat on the mat\nit is here", [b"the cat sat on the mat\nit is here"]),
+    "crlf": (b"the cat sat\r\non the mat\r\n", [b"the cat sat\non the mat\n"]),
+    "hyphens_without_split": (b"a well @-@ known rich-text format\n", [b"a well-known rich-text format\n"]),
+}
+
+
+def _write(folder, hyp, refs):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hyp").write_bytes(hyp)
+    if len(refs) == 1:
+        (folder / "ref").write_bytes(refs[0])
+    else:
+        for i, ref in enumerate(refs):
+            (folder / f"ref{i}").write_bytes(ref)
+    return folder / "hyp", folder / "ref"
+
+
+def _perl(hyp, ref, *flags, compound=False):
+    """multi-bleu.perl [-lc] ref < hyp, after fairseq's compound-split perl one-liner if asked."""
+    if compound:
+        refs = [p for p in sorted(ref.parent.glob(ref.name + "*"))]
+        for path in [hyp, *refs]:
+            split = subprocess.run(["perl", "-ple", r"s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g"],
+                                   input=path.read_bytes(), capture_output=True, check=True).stdout
+            path.write_bytes(split)
+    with open(hyp, "rb") as stdin:
+        proc = subprocess.run(["perl", MULTI_BLEU, *flags, ref], stdin=stdin, capture_output=True)
+    return proc
+
+
+def _ours(hyp, ref, *flags):
+    args = get_parser().parse_args(["--sys", str(hyp), "--ref", str(ref), *flags])
+    out = io.StringIO()
+    score(args, out=out)
+    return out.getvalue().splitlines()
+
+
+@needs_perl
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("lowercase", [False, True])
+def test_first_line_equals_multi_bleu_perl(tmp_path, name, lowercase):
+    hyp, ref = _write(tmp_path, *CASES[name])
+    flags = ["-lc"] if lowercase else []
+    expected = _perl(hyp, ref, *flags)
+    assert expected.returncode == 0, expected.stderr
+    assert _ours(hyp, ref, *flags)[0] == expected.stdout.decode().rstrip("\n")
+
+
+@needs_perl
+@pytest.mark.parametrize("name", ["hyphens_without_split", "unicode", "identical", "multiple_refs_closest_tie"])
+def test_compound_split_equals_perl_pipeline(tmp_path, name):
+    hyp, ref = _write(tmp_path / "ours", *CASES[name])
+    ours = _ours(hyp, ref, "--compound-split")[0]
+    hyp, ref = _write(tmp_path / "perl", *CASES[name])
+    assert ours == _perl(hyp, ref, compound=True).stdout.decode().rstrip("\n")
+
+
+def test_compound_split_rule():
+    # Matches do not overlap: in "a-b-c" the "b" is consumed by the first match (as in perl).
+    assert scoring.compound_split(b"a well-known rich-text-format a-b-c - x\n-y a-\nz") == (
+        b"a well ##AT##-##AT## known rich ##AT##-##AT## text ##AT##-##AT## format "
+        b"a ##AT##-##AT## b-c - x\n-y a-\nz\n")
+
+
+@needs_perl
+@pytest.mark.parametrize("seed", range(12))
+def test_random_corpora_equal_multi_bleu_perl(tmp_path, seed):
+    """Random near-miss translations over a small vocabulary: every count and rounding path."""
+    rng = random.Random(seed)
+    vocab = ["the", "a", "cat", "Cat", "mat", "sat", "on", ",", ".", "über", "x-y", "&amp;"]
+    n_refs = rng.choice([1, 1, 2, 3])
+    refs = [[] for _ in range(n_refs)]
+    hyps = []
+    for _ in range(rng.randint(1, 25)):
+        base = [rng.choice(vocab) for _ in range(rng.randint(1, 15))]
+        for stream in refs:
+            stream.append(" ".join(w if rng.random() < 0.8 else rng.choice(vocab) for w in base))
+        hyp = [w for w in base if rng.random() < 0.9] + [rng.choice(vocab)] * rng.randint(0, 2)
+        hyps.append(" ".join(w if rng.random() < 0.75 else rng.choice(vocab) for w in hyp))
+    if not any(hyps):
+        hyps[0] = "the"
+    to_file = lambda lines: "".join(line + "\n" for line in lines).encode()  # noqa: E731
+    hyp, ref = _write(tmp_path, to_file(hyps), [to_file(s) for s in refs])
+    assert _ours(hyp, ref)[0] == _perl(hyp, ref).stdout.decode().rstrip("\n")
+    hyp, ref = _write(tmp_path / "cs", to_file(hyps), [to_file(s) for s in refs])
+    ours = _ours(hyp, ref, "--compound-split")[0]
+    assert ours == _perl(hyp, ref, compound=True).stdout.decode().rstrip("\n")
+
+
+def test_exact_numbers_and_sacrebleu_line(tmp_path):
+    hyp, ref = _write(tmp_path, b"the cat sat on the mat\n", [b"the cat sat on the red mat\n"])
+    first, second = _ours(hyp, ref)
+    # p = 6/6, 4/5, 3/4, 2/3; BP = exp(1 - 7/6); BLEU = BP * exp(mean(log p))
+    assert first == "BLEU = 67.32, 100.0/80.0/75.0/66.7 (BP=0.846, ratio=0.857, hyp_len=6, ref_len=7)"
+    assert second.startswith("sacreBLEU = 67.32 | nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|")
+
+
+def test_sacrebleu_detokenizes_for_lang(tmp_path):
+    hyp, ref = _write(tmp_path, b"Das ist &quot; gut &quot; .\n", [b'Das ist " gut " .\n'])
+    args = get_parser().parse_args(["--sys", str(hyp), "--ref", str(ref), "--lang", "de"])
+    out = io.StringIO()
+    score(args, out=out)
+    assert out.getvalue().splitlines()[1].startswith("sacreBLEU = 100.00 |")
+    assert scoring.detokenize(["a well @-@ known &quot;x&quot; ."], "en") == ['a well-known "x".']
+
+
+def _generate_output(ids, finished=True, empty_hyp_id=None):
+    lines = []
+    for i in ids:  # fairseq-generate prints sentences in batch order, not id order
+        hyp = "" if i == empty_hyp_id else f"word{i} rich-text"
+        lines += [f"S-{i}\tsrc{i}", f"T-{i}\tword{i} rich-text", f"H-{i}\t-0.5\t{hyp}",
+                  f"D-{i}\t-0.5\t{hyp}", f"P-{i}\t-0.1 -0.2"]
+    if finished:
+        lines.append("Generate test with beam=4: BLEU4 = 100.00, 100.0/100.0/100.0/100.0 (BP=1.000)")
+    return "\n".join(lines) + "\n"
+
+
+def test_generate_output_sorted_by_id_and_scored(tmp_path):
+    gen = tmp_path / "gen.out"
+    gen.write_text(_generate_output([2, 0, 3, 1], empty_hyp_id=3))
+    hyps, refs = scoring.read_generate_output(gen)
+    assert refs == [f"word{i} rich-text" for i in range(4)]
+    assert hyps == ["word0 rich-text", "word1 rich-text", "word2 rich-text", ""]
+    out = io.StringIO()
+    stats = score(get_parser().parse_args(["--generate-output", str(gen), "--compound-split"]), out=out)
+    assert stats.hyp_len == 12 and stats.ref_len == 16  # 4 words per line after ##AT## splitting
+
+
+@pytest.mark.parametrize("content,message", [
+    (_generate_output([0, 1, 2], finished=False), "did not finish"),
+    (_generate_output([0, 2]), "without a reference (T-) line: 1"),
+    (_generate_output([0, 1]).replace("H-1\t", "X-1\t"), "without a hypothesis (H-) line: 1"),
+])
+def test_incomplete_generate_output_refused(tmp_path, content, message):
+    gen = tmp_path / "gen.out"
+    gen.write_text(content)
+    with pytest.raises(scoring.ScoringError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        scoring.read_generate_output(gen)
+
+
+@pytest.mark.parametrize("hyp,ref,message", [
+    (b"a b\n", b"a b\nc d\n", "reference 0 has 2 lines but the hypothesis has 1"),
+    (b"\n\n", b"a\nb\n", "hypothesis is empty"),
+    (b"a\nb\n", b"\n\n", "references are empty"),
+])
+def test_bad_input_refused(tmp_path, hyp, ref, message):
+    hyp_path, ref_path = _write(tmp_path, hyp, [ref])
+    with pytest.raises(scoring.ScoringError, match=message):
+        _ours(hyp_path, ref_path)
+
+
+@needs_perl
+def test_perl_also_fails_on_empty_hypothesis(tmp_path):
+    hyp, ref = _write(tmp_path, b"\n\n", [b"a\nb\n"])
+    assert _perl(hyp, ref).returncode != 0
+
+
+def test_console_script_errors(tmp_path):
+    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.score", "--sys", tmp_path / "nope",
+                    "--ref", tmp_path / "nope"], check=False)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "nope: reference file not found" in proc.stderr
+    hyp, ref = _write(tmp_path, b"a b c d\n", [b"a b c d\n"])
+    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.score", "--sys", tmp_path / "nope",
+                    "--ref", ref], check=False)
+    assert proc.returncode != 0 and "nope: no such file" in proc.stderr
+    proc = run_cli(["bash", ROOT / "scripts" / "score.sh", "--sys", hyp, "--ref", ref],
+                   env=clean_env(PYTHON=sys.executable))
+    assert proc.stdout.splitlines()[0] == \
+        "BLEU = 100.00, 100.0/100.0/100.0/100.0 (BP=1.000, ratio=1.000, hyp_len=4, ref_len=4)"
