@@ -1,0 +1,83 @@
+"""Run the EWA weight averaging after every real optimizer step of ``fairseq-train``.
+
+fairseq has no after-step hook for models, so :func:`install` wraps
+``fairseq.trainer.Trainer.set_num_updates`` (called once after each successful optimizer step,
+and also when a checkpoint is loaded) and ``Trainer.train_step`` (to tell the two apart). After a
+real step, every module with an ``ewa_after_step(num_updates, master_views)`` method is called.
+
+``master_views`` maps each model parameter to the fp32 master copy that fairseq's
+``FP16Optimizer`` (``--fp16``, ``--bf16``) keeps and copies into the half-precision model after
+every step: averaging only the model's copy would be silently undone by the next step, so the
+modules average the master and copy it to the model. Optimizers without master copies (fp32,
+``--memory-efficient-fp16``, ``--amp``) give an empty map and the model's own weights are averaged.
+
+The update is deterministic (no randomness, no communication): every data-parallel rank holds the
+same weights after the synchronised optimizer step, so every rank computes the same average.
+"""
+import functools
+from collections import defaultdict
+
+from fairseq.trainer import Trainer
+
+
+def master_views(optimizer):
+    """{model parameter: view of its fp32 master copy} for fairseq's FP16Optimizer, else {}."""
+    fp32_params = getattr(optimizer, "fp32_params", None)
+    if fp32_params is None:
+        return {}
+    fp16_params = optimizer.fp16_params
+    if isinstance(fp32_params, dict):
+        # flat buffers, one per device, filled in fp16_params order (build_fp32_params)
+        on_device = defaultdict(list)
+        for param in fp16_params:
+            on_device[param.device.index].append(param)
+        views = {}
+        for device, flat in fp32_params.items():
+            offset = 0
+            for param in on_device[device]:
+                views[param] = flat.data[offset:offset + param.numel()].view_as(param)
+                offset += param.numel()
+        return views
+    return {param: master.data for param, master in zip(fp16_params, fp32_params)}
+
+
+def ewa_modules(model):
+    return [m for m in model.modules() if hasattr(m, "ewa_after_step")]
+
+
+def after_step(model, optimizer, num_updates):
+    """Call every EWA module of ``model`` after optimizer step number ``num_updates``."""
+    modules = ewa_modules(model)
+    if modules:
+        views = master_views(optimizer)
+        for module in modules:
+            module.ewa_after_step(num_updates, views)
+
+
+def install():
+    """Wrap the Trainer once (idempotent)."""
+    if getattr(Trainer.set_num_updates, "_ewa_wrapped", False):
+        return
+    original_set_num_updates = Trainer.set_num_updates
+    original_train_step = Trainer.train_step
+
+    @functools.wraps(original_train_step)
+    def train_step(self, *args, **kwargs):
+        self._ewa_in_train_step = True
+        try:
+            return original_train_step(self, *args, **kwargs)
+        finally:
+            self._ewa_in_train_step = False
+
+    @functools.wraps(original_set_num_updates)
+    def set_num_updates(self, num_updates):
+        previous = self.get_num_updates()
+        original_set_num_updates(self, num_updates)
+        # load_checkpoint also sets the count (0 -> N on resume): only a step inside train_step
+        # that advances the count by one is an optimizer step
+        if getattr(self, "_ewa_in_train_step", False) and num_updates == previous + 1:
+            after_step(self.model, self.optimizer, num_updates)
+
+    set_num_updates._ewa_wrapped = True
+    Trainer.train_step = train_step
+    Trainer.set_num_updates = set_num_updates

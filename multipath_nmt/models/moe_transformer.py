@@ -1,0 +1,300 @@
+"""``moe_transformer``: a pre-norm Transformer whose encoder FFNs can be MoE, EWA or ParameterNet.
+
+Everything except the FFN sub-block of the chosen encoder layers is fairseq's own
+``transformer`` (same modules, same state-dict keys), so an EWA model folds into a stock
+``transformer`` checkpoint (``multipath-convert-ewa``).
+
+- ``--encoder-ffn moe``: a top-k routed MoE FFN every ``--encoder-moe-freq`` layers (WideNet's
+  MoE layer, :class:`~multipath_nmt.modules.moe.MoEFeedForward`).
+- ``--encoder-ffn ewa``: Experts Weights Averaging (Huang et al., 2023) in the layers chosen by
+  ``--ewa-layers``; the averaging runs after every optimizer step (:mod:`multipath_nmt.ewa_training`).
+  ``--ewa-stop-at F`` is the paper's "early EWA": the layers are top-1 routed MoEs (learned router,
+  capacity, balance loss) that get the EWA update only during the first fraction F of training and
+  stay MoEs at inference (so they cannot be folded into a dense FFN).
+- ``--encoder-ffn parameternet``: ParameterNet projections (Han et al., 2024) in every layer.
+"""
+import logging
+
+from fairseq import checkpoint_utils, utils
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerConfig, TransformerEncoder, TransformerModel
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+from torch import nn
+
+from multipath_nmt import ewa_training
+from multipath_nmt.models.transformer_baselines import transformer_prenorm_wmt_en_de
+from multipath_nmt.modules.ewa import SCHEDULES, EWAFeedForward, EWASchedule, ewa_average_parameters_
+from multipath_nmt.modules.moe import MoEFeedForward
+from multipath_nmt.modules.parameternet import MODES, PROJECTIONS, ParameterNetFeedForward
+
+logger = logging.getLogger(__name__)
+
+ewa_training.install()
+
+ENCODER_FFNS = ("dense", "moe", "ewa", "parameternet")
+EWA_LAYER_PATTERNS = ("every-2", "last-4")
+# Huang et al. (2023) EWA defaults: 4 experts, share rate rising linearly to 0.3
+DEFAULT_EWA_SHARE_RATE = 0.3
+
+
+def ewa_layer_indices(pattern, num_layers):
+    if pattern == "every-2":
+        return [i for i in range(num_layers) if i % 2 == 1]
+    if pattern == "last-4":
+        return list(range(max(0, num_layers - 4), num_layers))
+    raise ValueError(f"unknown --ewa-layers pattern {pattern!r}; choose one of "
+                     f"{EWA_LAYER_PATTERNS}")
+
+
+def special_ffn_layers(args):
+    """Indices of the encoder layers whose FFN is replaced."""
+    if args.encoder_ffn == "dense":
+        return []
+    if args.encoder_ffn == "moe":
+        return [i for i in range(args.encoder_layers) if (i + 1) % args.encoder_moe_freq == 0]
+    if args.encoder_ffn == "ewa":
+        return ewa_layer_indices(args.ewa_layers, args.encoder_layers)
+    return list(range(args.encoder_layers))
+
+
+def check_args(args):
+    """Fail at build time on impossible settings, with the flag to fix."""
+    if args.encoder_ffn not in ENCODER_FFNS:
+        raise ValueError(f"unknown --encoder-ffn {args.encoder_ffn!r}; choose one of {ENCODER_FFNS}")
+    if args.encoder_ffn == "moe" and args.encoder_moe_freq < 1:
+        raise ValueError(f"--encoder-moe-freq must be at least 1, got {args.encoder_moe_freq}")
+    if args.encoder_ffn == "ewa":
+        if args.ewa_experts < 2:
+            raise ValueError(f"--ewa-experts must be at least 2 for EWA, got {args.ewa_experts}")
+        ewa_layer_indices(args.ewa_layers, args.encoder_layers)
+        EWASchedule(args.ewa_share_rate, args.ewa_schedule, args.max_update, args.ewa_stop_at)
+        if args.ewa_init_from and args.ewa_stop_at is not None:
+            raise ValueError("--ewa-init-from starts every expert as the same dense FFN; a routed "
+                             "early-EWA MoE (--ewa-stop-at) would keep them identical under a "
+                             "router, drop one of the two flags")
+    if args.encoder_ffn == "parameternet":
+        if args.parameternet_experts < 2:
+            raise ValueError(f"--parameternet-experts must be at least 2, got "
+                             f"{args.parameternet_experts}")
+        if args.parameternet_proj not in PROJECTIONS or args.parameternet_mode not in MODES:
+            raise ValueError(f"--parameternet-proj must be one of {PROJECTIONS} and "
+                             f"--parameternet-mode one of {MODES}")
+
+
+class EarlyEWAMoE(MoEFeedForward):
+    """A top-1 routed MoE FFN that gets the EWA update after each step until ``stop_at``
+    (Huang et al., 2023, "early EWA" for naive MoEs); it stays a routed MoE at inference."""
+
+    def __init__(self, embed_dim, ffn_dim, num_experts, schedule, **kwargs):
+        super().__init__(embed_dim, ffn_dim, num_experts=num_experts, k=1, **kwargs)
+        self.schedule = schedule
+
+    def ewa_after_step(self, num_updates, master_views):
+        share_rate = self.schedule.share_rate_at(num_updates)
+        if share_rate > 0.0:
+            ewa_average_parameters_([self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                                     self.fc2_bias], share_rate, master_views)
+
+
+def build_ffn(args, embed_dim, ffn_dim):
+    """The replacement FFN module (input [T, B, d] and padding mask [B, T])."""
+    activation = utils.get_activation_fn(activation=args.activation_fn)
+    activation_dropout = args.activation_dropout or getattr(args, "relu_dropout", 0) or 0
+    if args.encoder_ffn == "moe":
+        return MoEFeedForward(embed_dim, ffn_dim, args.moe_experts, args.moe_top_k,
+                              args.moe_capacity_factor, activation, activation_dropout)
+    if args.encoder_ffn == "ewa":
+        schedule = EWASchedule(args.ewa_share_rate, args.ewa_schedule, args.max_update,
+                               args.ewa_stop_at)
+        if args.ewa_stop_at is not None:
+            return EarlyEWAMoE(embed_dim, ffn_dim, args.ewa_experts, schedule,
+                               capacity_factor=args.moe_capacity_factor, activation=activation,
+                               activation_dropout=activation_dropout)
+        return EWAFeedForward(embed_dim, ffn_dim, args.ewa_experts, schedule, activation,
+                              activation_dropout)
+    return ParameterNetFeedForward(embed_dim, ffn_dim, args.parameternet_experts,
+                                   args.parameternet_proj, args.parameternet_mode, activation,
+                                   activation_dropout, args.moe_capacity_factor)
+
+
+def _identity(x):
+    return x
+
+
+class SwappedFFNEncoderLayer(TransformerEncoderLayerBase):
+    """fairseq's encoder layer with the FFN sub-block (fc1 -> activation -> dropout -> fc2)
+    replaced by ``self.ffn``, which also sees the padding mask.
+
+    fairseq's forward runs ``fc2(dropout(activation(fc1(x))))``: fc1 becomes a call of ``ffn``
+    and the rest identities, so attention, LayerNorms, residuals and dropout stay fairseq's.
+    """
+
+    def __init__(self, cfg, ffn_args):
+        self._ffn_args = ffn_args
+        self._padding_mask = None
+        super().__init__(cfg)
+        self.activation_fn = _identity
+        self.activation_dropout_module = nn.Identity()
+
+    def build_fc1(self, input_dim, output_dim, q_noise, qn_block_size):
+        if q_noise > 0:
+            raise ValueError("--quant-noise-pq is not supported for MoE/EWA/ParameterNet FFNs")
+        self.ffn = build_ffn(self._ffn_args, input_dim, output_dim)
+        return self._run_ffn
+
+    def build_fc2(self, input_dim, output_dim, q_noise, qn_block_size):
+        return nn.Identity()
+
+    def _run_ffn(self, x):
+        return self.ffn(x, self._padding_mask)
+
+    def forward(self, x, encoder_padding_mask, attn_mask=None):
+        self._padding_mask = encoder_padding_mask
+        try:
+            return super().forward(x, encoder_padding_mask, attn_mask)
+        finally:
+            self._padding_mask = None
+
+
+class SwappedFFNEncoder(TransformerEncoder):
+    """fairseq's TransformerEncoder building :class:`SwappedFFNEncoderLayer` where chosen."""
+
+    def __init__(self, args, dictionary, embed_tokens):
+        self._special_layers = set(special_ffn_layers(args))
+        self._layers_built = 0
+        super().__init__(args, dictionary, embed_tokens)
+
+    def build_encoder_layer(self, args):
+        index, self._layers_built = self._layers_built, self._layers_built + 1
+        if index not in self._special_layers:
+            return super().build_encoder_layer(args)
+        cfg = TransformerConfig.from_namespace(args)
+        layer = SwappedFFNEncoderLayer(cfg, self.args)
+        # the same activation checkpointing / FSDP wrapping as fairseq's own encoder layers
+        if cfg.checkpoint_activations:
+            layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+        return fsdp_wrap(layer, min_num_params=0 if cfg.checkpoint_activations
+                         else cfg.min_params_to_wrap)
+
+
+@register_model("moe_transformer")
+class MoETransformerModel(TransformerModel):
+    """Pre-norm Transformer with MoE / EWA / ParameterNet encoder FFNs (see module docstring)."""
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        parser.add_argument("--encoder-ffn", choices=ENCODER_FFNS,
+                            help="encoder FFN type: dense (fairseq's), moe (top-k routed MoE every "
+                                 "--encoder-moe-freq layers), ewa (Experts Weights Averaging), "
+                                 "parameternet (ParameterNet projections in every layer)")
+        parser.add_argument("--encoder-moe-freq", type=int, metavar="K",
+                            help="with --encoder-ffn moe: an MoE FFN in every K-th encoder layer")
+        parser.add_argument("--moe-experts", type=int, metavar="E",
+                            help="with --encoder-ffn moe: number of experts")
+        parser.add_argument("--moe-top-k", type=int, metavar="K",
+                            help="with --encoder-ffn moe: experts per token")
+        parser.add_argument("--moe-capacity-factor", type=float, metavar="C",
+                            help="expert capacity ratio C of every routed layer (moe, routed "
+                                 "ParameterNet, early EWA): ceil(C*k*S/E) tokens per expert")
+        parser.add_argument("--ewa-layers", choices=EWA_LAYER_PATTERNS,
+                            help="encoder layers whose FFN is an EWA MoE: every second layer or "
+                                 "the last four")
+        parser.add_argument("--ewa-experts", type=int, metavar="E",
+                            help="experts per EWA layer (at least 2)")
+        parser.add_argument("--ewa-share-rate", type=float, metavar="B",
+                            help="EWA share rate b in [0, 1]: W_i <- (1-b) W_i + b/(E-1) "
+                                 f"sum_(j!=i) W_j after each step (default "
+                                 f"{DEFAULT_EWA_SHARE_RATE})")
+        parser.add_argument("--ewa-schedule", choices=SCHEDULES,
+                            help="share rate schedule: linear from 0 to --ewa-share-rate over "
+                                 "--max-update updates, or constant")
+        parser.add_argument("--ewa-stop-at", type=float, metavar="F",
+                            help="early EWA: the EWA layers become top-1 routed MoEs averaged "
+                                 "only during the first fraction F of --max-update (in [0, 1])")
+        parser.add_argument("--ewa-init-from", metavar="CHECKPOINT",
+                            help="start every EWA expert as a copy of the FFN of the same layer "
+                                 "of this dense transformer checkpoint (EWA fine-tuning)")
+        parser.add_argument("--parameternet-proj", choices=PROJECTIONS,
+                            help="ParameterNet: which FFN projection(s) hold M matrices")
+        parser.add_argument("--parameternet-mode", choices=MODES,
+                            help="ParameterNet: routed (top-1 router per token) or dynamic "
+                                 "(softmax(MLP(mean-pool(x)))-weighted sum per sentence)")
+        parser.add_argument("--parameternet-experts", type=int, metavar="M",
+                            help="ParameterNet: matrices per chosen projection (at least 2)")
+
+    @classmethod
+    def build_model(cls, args, task):
+        moe_transformer(args)
+        check_args(args)
+        model = super().build_model(args, task)
+        if args.encoder_ffn == "ewa" and args.ewa_init_from:
+            init_experts_from_dense(model, args.ewa_init_from)
+        return model
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return SwappedFFNEncoder(args, src_dict, embed_tokens)
+
+
+def init_experts_from_dense(model, path):
+    """Copy each EWA layer's FFN from a dense transformer checkpoint into all its experts."""
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
+    for index, layer in enumerate(model.encoder.layers):
+        ffn = getattr(layer, "ffn", None)
+        if not isinstance(ffn, EWAFeedForward):
+            continue
+        prefix = f"encoder.layers.{index}."
+        keys = [prefix + name for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ValueError(f"--ewa-init-from {path}: not a dense transformer checkpoint of "
+                             f"this depth, it has no {missing[0]}")
+        try:
+            ffn.load_dense_ffn(*(state[k] for k in keys))
+        except ValueError as err:
+            raise ValueError(f"--ewa-init-from {path}: layer {index}: {err}; the dense model "
+                             f"needs the same --encoder-embed-dim and --encoder-ffn-embed-dim"
+                             ) from None
+    logger.info("EWA experts initialised from the dense FFNs of %s", path)
+
+
+@register_model_architecture("moe_transformer", "moe_transformer")
+def moe_transformer(args):
+    args.encoder_ffn = getattr(args, "encoder_ffn", "dense")
+    args.encoder_moe_freq = getattr(args, "encoder_moe_freq", 2)
+    args.moe_experts = getattr(args, "moe_experts", 4)
+    args.moe_top_k = getattr(args, "moe_top_k", 2)
+    args.moe_capacity_factor = getattr(args, "moe_capacity_factor", 1.2)
+    args.ewa_layers = getattr(args, "ewa_layers", "every-2")
+    args.ewa_experts = getattr(args, "ewa_experts", 4)
+    args.ewa_share_rate = getattr(args, "ewa_share_rate", DEFAULT_EWA_SHARE_RATE)
+    args.ewa_schedule = getattr(args, "ewa_schedule", "linear")
+    args.ewa_stop_at = getattr(args, "ewa_stop_at", None)
+    args.ewa_init_from = getattr(args, "ewa_init_from", None)
+    args.parameternet_proj = getattr(args, "parameternet_proj", "both")
+    args.parameternet_mode = getattr(args, "parameternet_mode", "dynamic")
+    args.parameternet_experts = getattr(args, "parameternet_experts", 4)
+    args.max_update = getattr(args, "max_update", 0)
+    transformer_prenorm_wmt_en_de(args)
+
+
+@register_model_architecture("moe_transformer", "moe_transformer_wmt_en_de")
+def moe_transformer_wmt_en_de(args):
+    args.encoder_ffn = getattr(args, "encoder_ffn", "moe")
+    args.encoder_moe_freq = getattr(args, "encoder_moe_freq", 2)
+    moe_transformer(args)
+
+
+@register_model_architecture("moe_transformer", "ewa_transformer_wmt_en_de")
+def ewa_transformer_wmt_en_de(args):
+    args.encoder_ffn = getattr(args, "encoder_ffn", "ewa")
+    moe_transformer(args)
+
+
+@register_model_architecture("moe_transformer", "parameternet_transformer_wmt_en_de")
+def parameternet_transformer_wmt_en_de(args):
+    args.encoder_ffn = getattr(args, "encoder_ffn", "parameternet")
+    moe_transformer(args)

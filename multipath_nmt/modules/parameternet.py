@@ -1,0 +1,154 @@
+"""ParameterNet FFNs: Han et al. (2024), "ParameterNet: Parameters Are All You Need for Large-scale
+Visual Pretraining of Mobile Networks" (arXiv:2306.14525), applied to a Transformer FFN.
+
+A chosen projection (fc1 "up", fc2 "down" or both) holds M weight matrices W_1..W_M instead of one:
+
+- dynamic (the paper's Eq. 4, dynamic-convolution style): per sentence,
+  W' = sum_i alpha_i W_i with alpha = softmax(MLP(mean-pool(x))) (pooling over non-padding tokens),
+  then one ordinary projection with W': about M times the parameters at nearly the same FLOPs.
+- routed: a top-1 routed mixture (Switch-style): each token's projection uses the matrix its
+  router picks, scaled by the router probability, with the MoE layer's capacity and balance loss;
+  tokens over capacity are dropped and the whole FFN outputs 0 for them (the residual carries them).
+
+Every module takes time-major x [T, B, d] and padding_mask [B, T] (True = padding) or None, like
+fairseq's encoder layers and :class:`multipath_nmt.modules.moe.MoEFeedForward`.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multipath_nmt.modules.moe import TopKRouter
+
+PROJECTIONS = ("up", "down", "both")
+MODES = ("routed", "dynamic")
+
+
+def _init_like_linear(weight, bias):
+    bound = 1.0 / math.sqrt(weight.shape[-1])
+    for expert in range(weight.shape[0]):
+        nn.init.kaiming_uniform_(weight[expert], a=math.sqrt(5))
+    nn.init.uniform_(bias, -bound, bound)
+
+
+def masked_mean(x, padding_mask):
+    """Mean over the non-padding time steps of x [T, B, d] -> [B, d]."""
+    if padding_mask is None:
+        return x.mean(0)
+    keep = (~padding_mask).t().unsqueeze(-1)
+    return x.masked_fill(~keep, 0).sum(0) / keep.sum(0).clamp(min=1).to(x.dtype)
+
+
+class DynamicLinear(nn.Module):
+    """y = x W'^T + b' with (W', b') = sum_i alpha_i (W_i, b_i), alpha = softmax(MLP(mean-pool(x)))
+    per sentence (ParameterNet Eq. 4; the MLP is DynamicConv's pool -> FC -> ReLU -> FC)."""
+
+    def __init__(self, in_features, out_features, num_experts, reduction=4):
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features))
+        hidden = max(in_features // reduction, num_experts)
+        self.coefficients = nn.Sequential(
+            nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_experts))
+        _init_like_linear(self.weight, self.bias)
+
+    def mixing_weights(self, x, padding_mask):
+        """alpha [B, M], computed in fp32."""
+        return torch.softmax(self.coefficients(masked_mean(x, padding_mask)).float(), dim=-1)
+
+    def forward(self, x, padding_mask=None):
+        alpha = self.mixing_weights(x, padding_mask).to(x.dtype)
+        weight = torch.einsum("bm,moi->boi", alpha, self.weight)
+        bias = alpha @ self.bias
+        return torch.einsum("tbi,boi->tbo", x, weight) + bias
+
+
+class RoutedLinear(nn.Module):
+    """y = p_i(x) (x W_i^T + b_i) for the expert i = argmax_j p_j(x) of a top-1 router with capacity
+    and the Switch balance loss (:class:`~multipath_nmt.modules.moe.TopKRouter`, k = 1)."""
+
+    def __init__(self, in_features, out_features, num_experts, capacity_factor=1.2,
+                 router_noise=True):
+        super().__init__()
+        self.num_experts = num_experts
+        self.router = TopKRouter(in_features, num_experts, k=1, capacity_factor=capacity_factor,
+                                 noise=router_noise)
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features))
+        _init_like_linear(self.weight, self.bias)
+
+    def forward(self, x, padding_mask=None):
+        """Returns (y, kept): kept [T, B] bool marks the tokens the capacity let through;
+        dropped and padding tokens get y = 0."""
+        tokens = x.reshape(-1, x.shape[-1])
+        valid = None if padding_mask is None else ~padding_mask.t().reshape(-1)
+        routing = self.router(tokens, valid)
+        expert_input = routing.dispatch(tokens)
+        expert_output = torch.baddbmm(self.bias.unsqueeze(1), expert_input,
+                                      self.weight.transpose(1, 2))
+        y = routing.combine(expert_output)
+        # k = 1: assignment a is token a, so the kept assignments are the kept tokens
+        kept = torch.zeros(tokens.shape[0], dtype=torch.bool, device=x.device)
+        kept[routing.assignment_index] = True
+        return y.view(*x.shape[:-1], -1), kept.view(x.shape[:-1])
+
+    def pop_routing_stats(self):
+        return self.router.pop_routing_stats()
+
+    def inactive_parameter_count(self):
+        return (self.num_experts - 1) * (self.weight[0].numel() + self.bias[0].numel())
+
+
+class ParameterNetFeedForward(nn.Module):
+    """fc1 -> activation -> dropout -> fc2 with the chosen projections made ParameterNet layers."""
+
+    def __init__(self, embed_dim, ffn_dim, num_experts, proj="both", mode="dynamic",
+                 activation_fn=F.relu, activation_dropout=0.0, capacity_factor=1.2,
+                 router_noise=True):
+        super().__init__()
+        if proj not in PROJECTIONS:
+            raise ValueError(f"unknown ParameterNet projection {proj!r}; choose one of {PROJECTIONS}")
+        if mode not in MODES:
+            raise ValueError(f"unknown ParameterNet mode {mode!r}; choose one of {MODES}")
+        if num_experts < 2:
+            raise ValueError(f"ParameterNet needs at least 2 weight matrices, got {num_experts}")
+        self.activation_fn = activation_fn
+        self.activation_dropout = nn.Dropout(activation_dropout)
+
+        def build(in_features, out_features, chosen):
+            if not chosen:
+                return nn.Linear(in_features, out_features)
+            if mode == "dynamic":
+                return DynamicLinear(in_features, out_features, num_experts)
+            return RoutedLinear(in_features, out_features, num_experts, capacity_factor,
+                                router_noise)
+
+        self.fc1 = build(embed_dim, ffn_dim, proj in ("up", "both"))
+        self.fc2 = build(ffn_dim, embed_dim, proj in ("down", "both"))
+
+    def _project(self, layer, x, padding_mask, kept):
+        """Apply one projection; ``kept`` [T, B]: tokens not yet dropped by a routed projection."""
+        if isinstance(layer, nn.Linear):
+            return layer(x), kept
+        if isinstance(layer, DynamicLinear):
+            return layer(x, padding_mask), kept
+        if kept is not None:
+            # a token dropped by fc1 must not take a place in fc2's expert capacity
+            padding_mask = ~kept.t() if padding_mask is None else padding_mask | ~kept.t()
+        return layer(x, padding_mask)
+
+    def forward(self, x, padding_mask=None):
+        hidden, kept = self._project(self.fc1, x, padding_mask, None)
+        hidden = self.activation_dropout(self.activation_fn(hidden))
+        out, kept = self._project(self.fc2, hidden, padding_mask, kept)
+        if kept is not None:
+            out = out * kept.unsqueeze(-1).to(out.dtype)
+        return out
+
+    def inactive_parameter_count(self):
+        # routed: a token uses 1 of M matrices; dynamic: every matrix forms each sentence's W' and
+        # gets gradient from every token, so all count as active (the saving is in FLOPs only)
+        return sum(layer.inactive_parameter_count() for layer in (self.fc1, self.fc2)
+                   if isinstance(layer, RoutedLinear))
