@@ -1,0 +1,530 @@
+"""Raw parallel text to a fairseq data-bin: the Moses + subword-nmt recipe of fairseq's
+``examples/translation/prepare-wmt14en2de.sh``, in Python, restartable stage by stage.
+
+Stages, each a directory of the work dir (``OUT.work`` next to the data-bin ``OUT``; for WMT the
+pair's ``<pair>.work`` so both directions share it):
+
+  downloads/          (WMT) archives fetched with urllib, or taken from ``--raw-dir``
+  extract/<archive>/  (WMT) the archive members the pair needs
+  raw/                {train,valid,test}.{L1,L2}: line-aligned text (SGML sets converted)
+  tok/                normalize-punctuation.perl + remove-non-printing-char.perl + tokenizer.perl -a
+  bpe/                joint subword-nmt codes learned on train L1+L2, applied to every split
+  clean/              clean-corpus-n.perl -ratio 1.5 on train/valid (1..250 subwords); test kept whole
+  OUT                 fairseq-preprocess --joined-dictionary, plus the BPE codes as ``bpecodes``
+
+A stage is built in ``NAME.partial`` and renamed to ``NAME`` after its ``.done`` file (holding
+the stage's parameters) is written, so a finished-looking directory is always complete. A rerun
+skips stages whose ``.done`` matches, rebuilds those whose parameters changed, and throws away
+any ``.partial`` left by an interrupted run.
+"""
+import gzip
+import html
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from itertools import chain, islice
+from pathlib import Path
+
+import regex
+from sacremoses import MosesPunctNormalizer, MosesTokenizer
+from sacremoses.corpus import NonbreakingPrefixes
+from subword_nmt.apply_bpe import BPE
+from subword_nmt.learn_bpe import learn_bpe
+
+from multipath_nmt.pipeline.wmt import ARCHIVES, PAIRS, TASKS
+
+DONE = ".done"
+SPLITS = ("train", "valid", "test")
+CHUNK_LINES = 2000
+# clean-corpus-n.perl arguments used by fairseq's WMT scripts: -ratio 1.5 CORPUS L1 L2 OUT 1 250
+CLEAN_RATIO, CLEAN_MIN, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH = 1.5, 1, 250, 1000
+# remove-non-printing-char.perl replaces every \p{C} character with a space (sacremoses'
+# post_remove_control_chars deletes it instead, which would glue the neighbouring words).
+NON_PRINTING = regex.compile(r"\p{C}")
+SGM_SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE | re.DOTALL)
+XML_ENTITY = re.compile(r"&(?:amp|lt|gt|quot|apos|#[0-9]+|#[xX][0-9a-fA-F]+);")
+
+
+class PrepareError(Exception):
+    """Bad input or a failed step; the message names the file and the fix."""
+
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """A counter printed on stderr at most every ``interval`` seconds, and once at the end."""
+
+    def __init__(self, label, total=0, unit="lines", scale=1, interval=2.0):
+        self.label, self.total, self.unit, self.scale, self.interval = label, total, unit, scale, interval
+        self.count, self.last = 0, time.monotonic()
+
+    def update(self, n):
+        self.count += n
+        if time.monotonic() - self.last >= self.interval:
+            self._print()
+
+    def _print(self):
+        self.last = time.monotonic()
+        done = f"{self.count / self.scale:,.0f}" if self.scale == 1 else f"{self.count / self.scale:,.1f}"
+        if self.total:
+            log(f"  {self.label}: {done} / {self.total / self.scale:,.1f} {self.unit} "
+                f"({100 * self.count / self.total:.0f}%)")
+        else:
+            log(f"  {self.label}: {done} {self.unit}")
+
+    def close(self):
+        self._print()
+
+
+# ---------------------------------------------------------------------------- stages and files
+
+def run_stage(final, label, params, build):
+    """Build directory ``final`` with ``build(tmp_dir)`` unless it is finished with ``params``."""
+    final = Path(final)
+    marker = final / DONE
+    stamp = json.dumps(params, sort_keys=True, default=str)
+    if marker.is_file():
+        if marker.read_text(encoding="utf-8") == stamp:
+            log(f"[{label}] finished earlier, skipping: {final}")
+            return final
+        log(f"[{label}] parameters or inputs changed, rebuilding: {final}")
+    elif final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise PrepareError(f"{final} exists but was not written by multipath-prepare (it has no {DONE}); "
+                           "remove it or choose another output directory")
+    partial = final.with_name(final.name + ".partial")
+    if partial.exists():
+        log(f"[{label}] removing the unfinished {partial} of an interrupted run")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    log(f"[{label}] building {final}")
+    try:
+        build(partial)
+    except PrepareError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    (partial / DONE).write_text(stamp, encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    return final
+
+
+def stamp_of(path):
+    """Identity of an input file for the .done parameters: a changed file triggers a rebuild."""
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def open_text(path):
+    """UTF-8 text, gzipped or not; lines end at "\\n" only, like Perl's (a stray "\\r" stays in the line)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="\n")
+    return open(path, encoding="utf-8", newline="\n")
+
+
+def read_lines(path):
+    number = 0
+    with open_text(path) as f:
+        try:
+            for number, line in enumerate(f, 1):
+                yield line[:-1] if line.endswith("\n") else line
+        except UnicodeDecodeError as e:
+            raise PrepareError(f"{path} is not UTF-8 text (after line {number}): {e}; "
+                               "convert it, e.g. iconv -f LATIN1 -t UTF-8") from None
+        except (OSError, EOFError) as e:
+            raise PrepareError(f"cannot read {path}: {e}; the file is damaged, replace it") from None
+
+
+def write_to(out, lines):
+    count = 0
+    for line in lines:
+        out.write(line + "\n")
+        count += 1
+    return count
+
+
+def write_lines(path, lines):
+    with open(path, "w", encoding="utf-8", newline="\n") as out:
+        return write_to(out, lines)
+
+
+def check_parallel(path_a, path_b, count_a, count_b):
+    for path, count in ((path_a, count_a), (path_b, count_b)):
+        if count == 0:
+            raise PrepareError(f"input file is empty: {path}; give a file with one sentence per line")
+    if count_a != count_b:
+        raise PrepareError(f"parallel files have different line counts: {path_a} has {count_a:,} lines but "
+                           f"{path_b} has {count_b:,}; they must be aligned line by line (line i of one "
+                           "file is the translation of line i of the other)")
+
+
+def check_languages(*langs):
+    known = sorted({code for code in NonbreakingPrefixes().available_langs.values()})
+    for lang in langs:
+        if lang not in known:
+            raise PrepareError(f"unknown language code {lang!r}: the Moses tokenizer knows {', '.join(known)}; "
+                               "use the ISO 639-1 code of the language (e.g. en, de, fr)")
+    if len(set(langs)) != len(langs):
+        raise PrepareError(f"source and target language are the same ({langs[0]}); give two different codes")
+
+
+# ------------------------------------------------------------------- per-line text processing
+
+def sgm_to_text(path):
+    """The <seg> contents of an SGML dev/test set, one per line, like input-from-sgm.perl, with
+    the XML entities of the markup (&amp; &lt; &gt; &quot; &apos; &#N;) unescaped."""
+    with open_text(path) as f:
+        text = f.read()
+    for segment in SGM_SEGMENT.findall(text):
+        segment = " ".join(segment.split())
+        yield XML_ENTITY.sub(lambda m: html.unescape(m.group(0)), segment)
+
+
+def remove_non_printing(line):
+    return NON_PRINTING.sub(" ", line)
+
+
+def moses_tokenize(line, normalizer, tokenizer):
+    """normalize-punctuation.perl | remove-non-printing-char.perl | tokenizer.perl -a (escaping on)."""
+    line = remove_non_printing(normalizer.normalize(line))
+    return tokenizer.tokenize(line, escape=True, aggressive_dash_splits=True, return_str=True)
+
+
+def clean_pair(a, b, ratio=CLEAN_RATIO, min_len=CLEAN_MIN, max_len=CLEAN_MAX,
+               max_word_length=CLEAN_MAX_WORD_LENGTH):
+    """clean-corpus-n.perl on one sentence pair: the cleaned pair, or None when it is dropped."""
+    a = " ".join(a.replace("|", "").split())
+    b = " ".join(b.replace("|", "").split())
+    if not a or not b:
+        return None
+    words_a, words_b = a.split(" "), b.split(" ")
+    if not (min_len <= len(words_a) <= max_len and min_len <= len(words_b) <= max_len):
+        return None
+    if len(words_a) / len(words_b) > ratio or len(words_b) / len(words_a) > ratio:
+        return None
+    if max(map(len, words_a)) > max_word_length or max(map(len, words_b)) > max_word_length:
+        return None
+    return a, b
+
+
+_worker = {}
+
+
+def _init_tokenizer(lang):
+    _worker["normalizer"] = MosesPunctNormalizer(lang)
+    _worker["tokenizer"] = MosesTokenizer(lang)
+
+
+def _tokenize_chunk(lines):
+    return [moses_tokenize(line, _worker["normalizer"], _worker["tokenizer"]) for line in lines]
+
+
+def _init_bpe(codes_path):
+    with open(codes_path, encoding="utf-8") as codes:
+        _worker["bpe"] = BPE(codes)
+
+
+def _bpe_chunk(lines):
+    return [_worker["bpe"].process_line(line) for line in lines]
+
+
+def _chunks(lines, size=CHUNK_LINES):
+    lines = iter(lines)
+    while chunk := list(islice(lines, size)):
+        yield chunk
+
+
+def map_file(src, dst, func, init, init_args, workers, label):
+    """Write ``func`` of each chunk of lines of ``src`` to ``dst`` in order, over ``workers`` processes."""
+    progress = Progress(label)
+    with open(dst, "w", encoding="utf-8", newline="\n") as out:
+        def write(chunk):
+            out.writelines(line + "\n" for line in chunk)
+            progress.update(len(chunk))
+
+        if workers > 1:
+            with multiprocessing.Pool(workers, initializer=init, initargs=init_args) as pool:
+                for chunk in pool.imap(func, _chunks(read_lines(src)), chunksize=1):
+                    write(chunk)
+        else:
+            init(*init_args)
+            for chunk in _chunks(read_lines(src)):
+                write(func(chunk))
+    progress.close()
+
+
+# ------------------------------------------------------------------------ the common stages
+
+def process_text(raw_dir, work_dir, out, langs, src, tgt, bpe_merges, workers, raw_params):
+    """raw/ -> tok/ -> bpe/ -> clean/ -> OUT (binarized for the direction src -> tgt)."""
+    work_dir = Path(work_dir)
+    tok_params = {"stage": "tok", "langs": langs, "raw": raw_params}
+
+    def tokenize(tmp):
+        for split in SPLITS:
+            for lang in langs:
+                map_file(raw_dir / f"{split}.{lang}", tmp / f"{split}.{lang}", _tokenize_chunk,
+                         _init_tokenizer, (lang,), workers, f"tokenize {split}.{lang}")
+
+    tok = run_stage(work_dir / "tok", "tokenize", tok_params, tokenize)
+
+    bpe_params = {"stage": "bpe", "merges": bpe_merges, "tok": tok_params}
+
+    def apply_bpe(tmp):
+        log(f"  learning {bpe_merges} joint BPE merges on train.{langs[0]} + train.{langs[1]}")
+        with open(tmp / "codes.tmp", "w", encoding="utf-8") as codes:
+            learn_bpe(chain(*(read_lines(tok / f"train.{lang}") for lang in langs)), codes, bpe_merges)
+        os.replace(tmp / "codes.tmp", tmp / "codes")
+        for split in SPLITS:
+            for lang in langs:
+                map_file(tok / f"{split}.{lang}", tmp / f"{split}.{lang}", _bpe_chunk, _init_bpe,
+                         (str(tmp / "codes"),), workers, f"apply BPE {split}.{lang}")
+
+    bpe = run_stage(work_dir / "bpe", "bpe", bpe_params, apply_bpe)
+
+    clean_params = {"stage": "clean", "ratio": CLEAN_RATIO, "min": CLEAN_MIN, "max": CLEAN_MAX, "bpe": bpe_params}
+
+    def clean(tmp):
+        a, b = langs
+        for split in SPLITS:
+            pairs = zip(read_lines(bpe / f"{split}.{a}"), read_lines(bpe / f"{split}.{b}"))
+            if split != "test":  # the test split keeps every sentence, like fairseq's scripts
+                pairs = filter(None, (clean_pair(x, y) for x, y in pairs))
+            kept = 0
+            with open(tmp / f"{split}.{a}", "w", encoding="utf-8") as out_a, \
+                    open(tmp / f"{split}.{b}", "w", encoding="utf-8") as out_b:
+                for x, y in pairs:
+                    out_a.write(x + "\n")
+                    out_b.write(y + "\n")
+                    kept += 1
+            log(f"  {split}: kept {kept:,} sentence pairs")
+            if kept == 0:
+                raise PrepareError(f"no {split} sentence pair is left after cleaning {bpe / split}.{{{a},{b}}} "
+                                   f"(1..{CLEAN_MAX} subwords, length ratio <= {CLEAN_RATIO}); check that the "
+                                   "input files are really translations of each other")
+
+    clean_dir = run_stage(work_dir / "clean", "clean", clean_params, clean)
+
+    binarize_params = {"stage": "binarize", "src": src, "tgt": tgt, "clean": clean_params}
+
+    def binarize(tmp):
+        cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang", tgt,
+               "--trainpref", str(clean_dir / "train"), "--validpref", str(clean_dir / "valid"),
+               "--testpref", str(clean_dir / "test"), "--destdir", str(tmp), "--joined-dictionary",
+               "--workers", str(workers)]
+        log("  " + " ".join(cmd))
+        proc = subprocess.run(cmd, stdout=sys.stderr)
+        if proc.returncode != 0:
+            raise PrepareError(f"fairseq-preprocess failed with exit code {proc.returncode} (its log is above)")
+        shutil.copyfile(bpe / "codes", tmp / "bpecodes")
+
+    result = run_stage(Path(out), "binarize", binarize_params, binarize)
+    log(f"data-bin ready: {result} ({src} -> {tgt}); text stages in {work_dir}")
+    return result
+
+
+# ------------------------------------------------------------------------------ user corpora
+
+def find_input(prefix, lang, option):
+    plain, gz = Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")
+    if plain.is_file():
+        return plain
+    if gz.is_file():
+        return gz
+    raise PrepareError(f"input file not found: {plain} (nor {gz.name}); {option} takes a PREFIX and the "
+                       f"files must be PREFIX.LANG or PREFIX.LANG.gz for both --src and --tgt")
+
+
+def prepare_corpus(src, tgt, train, valid, test, out, bpe_merges=32000, workers=1, work_dir=None):
+    """Raw parallel text PREFIX.{src,tgt}[.gz] for train/valid/test -> fairseq data-bin ``out``."""
+    check_languages(src, tgt)
+    out = Path(out)
+    work_dir = Path(work_dir) if work_dir else out.with_name(out.name + ".work")
+    prefixes = {"train": train, "valid": valid, "test": test}
+    inputs = {(split, lang): find_input(prefixes[split], lang, f"--{split}") for split in SPLITS
+              for lang in (src, tgt)}
+    langs = (src, tgt)
+    raw_params = {"stage": "raw", "inputs": {f"{s}.{l}": stamp_of(p) for (s, l), p in inputs.items()}}
+
+    def copy_raw(tmp):
+        for split in SPLITS:
+            counts = [write_lines(tmp / f"{split}.{lang}", read_lines(inputs[split, lang])) for lang in langs]
+            check_parallel(inputs[split, src], inputs[split, tgt], *counts)
+            log(f"  {split}: {counts[0]:,} sentence pairs")
+
+    raw = run_stage(work_dir / "raw", "raw", raw_params, copy_raw)
+    return process_text(raw, work_dir, out, langs, src, tgt, bpe_merges, workers, raw_params)
+
+
+# ------------------------------------------------------------------------------------- WMT
+
+def mirror_url(url, mirror):
+    """``url`` with its scheme and host replaced by ``mirror`` (which may carry a path prefix)."""
+    if not mirror:
+        return url
+    return mirror.rstrip("/") + urllib.parse.urlsplit(url).path
+
+
+def fetch(archive, downloads, raw_dir=None, mirror=None):
+    """The local path of ``archive``: from --raw-dir, an earlier download, or a fresh download."""
+    name = archive.filename
+    if raw_dir and (Path(raw_dir) / name).is_file():
+        log(f"[download] using {Path(raw_dir) / name}")
+        return Path(raw_dir) / name
+    target = Path(downloads) / name
+    if target.is_file():
+        log(f"[download] finished earlier, skipping: {target}")
+        return target
+    if archive.manual and not mirror:
+        where = f"--raw-dir {raw_dir}" if raw_dir else "no --raw-dir given"
+        raise PrepareError(f"{name} not found ({where}): {archive.manual}")
+    url = mirror_url(archive.url, mirror)
+    part = target.with_name(name + ".part")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log(f"[download] {url} -> {target}")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
+            total = int(response.headers.get("Content-Length") or 0)
+            progress = Progress(f"download {name}", total, unit="MB", scale=1 << 20)
+            while block := response.read(1 << 20):
+                out.write(block)
+                progress.update(len(block))
+            progress.close()
+    except (urllib.error.URLError, OSError) as e:
+        part.unlink(missing_ok=True)
+        raise PrepareError(f"download failed: {url}: {e}; check the network or --mirror, or download "
+                           f"{name} yourself and pass its folder as --raw-dir") from None
+    if total and part.stat().st_size != total:
+        size = part.stat().st_size
+        part.unlink()
+        raise PrepareError(f"download of {url} stopped after {size:,} of {total:,} bytes; run the command again")
+    os.replace(part, target)
+    return target
+
+
+def _archive_members(path):
+    """(name, binary file object) for each regular file of a tar/tgz/zip/gz archive, streamed."""
+    name = path.name
+    if name.endswith(".zip"):
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if not info.is_dir():
+                    with z.open(info) as f:
+                        yield info.filename, f
+    elif name.endswith((".tgz", ".tar.gz", ".tar")):
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                if member.isfile():
+                    yield member.name, tar.extractfile(member)
+    elif name.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            yield name[:-3], f
+    else:
+        raise PrepareError(f"unknown archive type: {path}; expected .tgz, .tar, .zip or .gz")
+
+
+def extract_members(archive_path, members, dest):
+    """Copy ``members`` (paths as in the release, matched with or without a leading folder) to ``dest``."""
+    wanted = set(members)
+    try:
+        for name, f in _archive_members(archive_path):
+            name = name.removeprefix("./")
+            match = next((m for m in wanted if name == m or name.endswith("/" + m)), None)
+            if match is None:
+                continue
+            target = dest / match
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as out:
+                shutil.copyfileobj(f, out, 1 << 20)
+            log(f"  {archive_path.name}: {name}")
+            wanted.discard(match)
+            if not wanted:
+                break
+    except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as e:
+        raise PrepareError(f"cannot read archive {archive_path}: {e}; it is damaged or incomplete, "
+                           "delete it and run again") from None
+    if wanted:
+        raise PrepareError(f"{archive_path} has no member {', '.join(sorted(wanted))}; it is not the release "
+                           f"this task expects, delete it and download it again")
+
+
+def _pair_members(pair):
+    members = {}
+    for corpus in pair.train:
+        paths = [corpus.member] if corpus.bitext_langs else [corpus.member.format(lang=l) for l in pair.langs]
+        members.setdefault(corpus.archive, []).extend(paths)
+    for evalset in (*pair.valid, pair.test):
+        members.setdefault(evalset.archive, []).extend([evalset.en, evalset.xx])
+    return members
+
+
+def _corpus_lines(extract, corpus, lang):
+    if corpus.bitext_langs:
+        path = extract / corpus.archive / corpus.member
+        column = corpus.bitext_langs.index(lang)
+        for number, line in enumerate(read_lines(path), 1):
+            fields = line.split("|||")
+            if len(fields) != 2:
+                raise PrepareError(f"{path} line {number} is not 'source ||| target'; the archive is not the "
+                                   "expected release, delete it and download it again")
+            yield fields[column].strip()
+    else:
+        yield from read_lines(extract / corpus.archive / corpus.member.format(lang=lang))
+
+
+def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges=32000, work_dir=None):
+    """One of the 12 WMT directions of the paper -> fairseq data-bin ``out`` (default data-bin/TASK)."""
+    if task not in TASKS:
+        raise PrepareError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
+    if raw_dir and not Path(raw_dir).is_dir():
+        raise PrepareError(f"--raw-dir {raw_dir} is not a directory; give the folder holding the archives")
+    pair, src, tgt = TASKS[task]
+    out = Path(out or Path("data-bin") / task)
+    work_dir = Path(work_dir) if work_dir else out.parent / f"{pair.name}.work"
+    extract = work_dir / "extract"
+    extract_params = {}
+    for archive_name, members in _pair_members(pair).items():
+        path = fetch(ARCHIVES[archive_name], work_dir / "downloads", raw_dir, mirror)
+        params = {"stage": "extract", "archive": stamp_of(path), "members": sorted(members)}
+        run_stage(extract / archive_name, f"extract {path.name}", params,
+                  lambda tmp, path=path, members=members: extract_members(path, members, tmp))
+        extract_params[archive_name] = params
+
+    raw_params = {"stage": "raw", "pair": pair.name, "extract": extract_params}
+
+    def collect_raw(tmp):
+        en, xx = pair.langs
+        outputs = {(split, lang): open(tmp / f"{split}.{lang}", "w", encoding="utf-8")
+                   for split in SPLITS for lang in pair.langs}
+        try:
+            for corpus in pair.train:
+                counts = [write_to(outputs["train", lang], _corpus_lines(extract, corpus, lang))
+                          for lang in pair.langs]
+                names = [extract / corpus.archive / corpus.member.format(lang=lang) for lang in pair.langs]
+                check_parallel(*names, *counts)
+                log(f"  train += {counts[0]:,} sentence pairs from {corpus.archive}")
+            for split, sets in (("valid", pair.valid), ("test", (pair.test,))):
+                for evalset in sets:
+                    paths = [extract / evalset.archive / evalset.en, extract / evalset.archive / evalset.xx]
+                    counts = [write_to(outputs[split, lang], sgm_to_text(p)) for lang, p in zip((en, xx), paths)]
+                    check_parallel(*paths, *counts)
+                    log(f"  {split} += {counts[0]:,} sentence pairs from {evalset.en}")
+        finally:
+            for f in outputs.values():
+                f.close()
+
+    raw = run_stage(work_dir / "raw", "raw", raw_params, collect_raw)
+    return process_text(raw, work_dir, out, pair.langs, src, tgt, bpe_merges, workers, raw_params)
