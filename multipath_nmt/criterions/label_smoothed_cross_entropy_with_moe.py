@@ -1,0 +1,93 @@
+"""Label-smoothed cross-entropy plus lambda * the load-balance losses of every routing call.
+
+Total objective (WideNet Eq. 5, Switch form of the balance loss): CE + lambda * sum_calls l_c.
+fairseq's loss is a SUM over the target tokens (or sentences with --sentence-avg), and the
+trainer divides the gradient by the summed ``sample_size`` of all micro-batches and workers. So
+the balance term is added as lambda * sample_size * sum_calls l_c: after that division the
+gradient is that of mean-CE + lambda * sum_calls l_c (averaged over micro-batches, weighted by
+their size), independent of batch size, --update-freq and the number of GPUs. fp16 loss scaling
+multiplies the returned loss as a whole (outside the criterion), so both terms are scaled alike.
+
+The logged ``loss`` stays the translation loss, comparable with dense models and with validation
+(routers record statistics in training only); ``moe_balance_loss`` is logged separately.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+from fairseq import metrics
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+
+
+@dataclass
+class LabelSmoothedCrossEntropyWithMoeCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    moe_balance_weight: float = field(
+        default=0.01,
+        metadata={"help": "lambda: weight of the load-balance loss, summed over every routing "
+                          "call of the forward pass (WideNet: 0.01)"},
+    )
+
+
+def pop_all_routing_stats(model):
+    """The routing statistics every module recorded in the last forward pass (and clear them)."""
+    return [stats for module in model.modules() if hasattr(module, "pop_routing_stats")
+            for stats in module.pop_routing_stats()]
+
+
+@register_criterion("label_smoothed_cross_entropy_with_moe",
+                    dataclass=LabelSmoothedCrossEntropyWithMoeCriterionConfig)
+class LabelSmoothedCrossEntropyWithMoeCriterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0,
+                 report_accuracy=False, moe_balance_weight=0.01):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size,
+                         report_accuracy)
+        self.moe_balance_weight = moe_balance_weight
+
+    def forward(self, model, sample, reduce=True):
+        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+        routing_stats = pop_all_routing_stats(model)
+        if not routing_stats or not reduce:
+            return loss, sample_size, logging_output
+        balance = torch.stack([s.balance_loss for s in routing_stats]).sum()
+        loss = loss + self.moe_balance_weight * sample_size * balance.to(loss.dtype)
+
+        num_experts = max(s.expert_load.numel() for s in routing_stats)
+        load = torch.zeros(num_experts, device=balance.device)
+        for s in routing_stats:
+            load[: s.expert_load.numel()] += s.expert_load.detach().float()
+        logging_output["moe_balance_loss"] = balance.detach().item() * sample_size
+        logging_output["moe_dropped"] = sum(int(s.dropped_tokens) for s in routing_stats)
+        logging_output["moe_assignments"] = sum(s.top_k * int(s.routed_tokens)
+                                                for s in routing_stats)
+        for expert, kept in enumerate(load.tolist()):
+            logging_output[f"moe_load_{expert}"] = kept
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        if not any("moe_assignments" in log for log in logging_outputs):
+            return
+        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+        balance = sum(log.get("moe_balance_loss", 0) for log in logging_outputs)
+        metrics.log_scalar("moe_balance_loss", balance / max(sample_size, 1), sample_size,
+                           round=4)
+        assignments = sum(log.get("moe_assignments", 0) for log in logging_outputs)
+        dropped = sum(log.get("moe_dropped", 0) for log in logging_outputs)
+        metrics.log_scalar("moe_dropped_frac", dropped / max(assignments, 1), assignments,
+                           round=4)
+        load = []
+        while any(f"moe_load_{len(load)}" in log for log in logging_outputs):
+            load.append(sum(log.get(f"moe_load_{len(load)}", 0) for log in logging_outputs))
+        kept = sum(load)
+        if kept > 0:
+            shares = [expert_load / kept for expert_load in load]
+            for expert, share in enumerate(shares):
+                metrics.log_scalar(f"moe_load_{expert}", share, kept, round=3)
+            # in nats; log(E) means perfectly balanced
+            entropy = -sum(p * math.log(p) for p in shares if p > 0)
+            metrics.log_scalar("moe_load_entropy", entropy, kept, round=4)
