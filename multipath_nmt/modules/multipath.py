@@ -1,0 +1,330 @@
+"""Multi-Path Transformer layers (Lin et al., 2022, "The Multi-Path Transformer is Better"), batched.
+
+Every sublayer computes Y = beta * X + sum_f alpha_f * PathNorm_f(H_f), where H_1..H_n are the
+outputs of n independent paths F_i(LN(X)) (attentions or FFNs) and, with cheap features, H_{n+j}
+is the average of the paths other than j (Eq. 7). All paths of a sublayer run as batched tensor
+operations: one input projection for every path, one attention call over n x heads, per-path
+output projections as one batched matmul. Path outputs are kept path-major, [n, T, B, d], the
+layout ``torch.baddbmm`` produces, so PathNorm and the weighted sum need no copies.
+"""
+import math
+from functools import partial
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_accurate": partial(F.gelu, approximate="tanh"),
+    "gelu_fast": partial(F.gelu, approximate="tanh"),
+    "tanh": torch.tanh,
+    "swish": F.silu,
+    "linear": lambda x: x,
+}
+
+
+def activation_function(name: str):
+    """The activation called ``name`` (fairseq's --activation-fn names)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def fixed_path_weight(num_features: int, path_norm: bool) -> float:
+    """alpha of ``--path-weights fixed``: 1/n without PathNorm (the original multi-path model
+    averages its paths), 1/sqrt(n) with PathNorm (n unit-variance features weighted by 1/sqrt(n)
+    sum to unit variance). n counts every summed feature, cheap features included."""
+    return num_features ** -0.5 if path_norm else 1.0 / num_features
+
+
+class PathNorm(nn.Module):
+    """PathNorm (Lin et al., 2022, Sec. 3.2): a LayerNorm at the end of each path, LN_f(H_f), with
+    its own affine per path. Input is path-major, [F, ..., d]; statistics are computed in fp32 so
+    half-precision inputs with large activations do not overflow."""
+
+    def __init__(self, num_features: int, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(num_features, dim))
+        self.bias = nn.Parameter(torch.zeros(num_features, dim))
+
+    def forward(self, features: Tensor) -> Tensor:
+        shape = (features.size(0),) + (1,) * (features.dim() - 2) + (features.size(-1),)
+        low_precision = features.dtype in (torch.float16, torch.bfloat16)
+        normalized = F.layer_norm(features.float() if low_precision else features,
+                                  features.shape[-1:], eps=self.eps).to(features.dtype)
+        return torch.addcmul(self.bias.view(shape).to(features.dtype), normalized,
+                             self.weight.view(shape).to(features.dtype))
+
+
+class PathMixer(nn.Module):
+    """The sublayer output of Lin et al. (2022): Y = beta * X + sum_f alpha_f * PathNorm_f(H_f),
+    H = the n path outputs plus, with ``cheap_features`` and n > 2, the n averages of n - 1 paths
+    (Eq. 7, before PathNorm). Learnable alpha starts at 1/sqrt(2n) (n raw paths), beta at 1."""
+
+    def __init__(self, num_paths: int, dim: int, path_norm: bool = True,
+                 learnable_weights: bool = True, cheap_features: bool = False,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.num_paths = num_paths
+        self.cheap_features = cheap_features and num_paths > 2
+        num_features = 2 * num_paths if self.cheap_features else num_paths
+        self.path_norm = PathNorm(num_features, dim) if path_norm else None
+        self.dropout = dropout
+        if learnable_weights:
+            self.path_weights = nn.Parameter(torch.full((num_features,), (2 * num_paths) ** -0.5))
+            self.residual_weight = nn.Parameter(torch.ones(()))
+        else:
+            # Buffers, not constants, so checkpoints record the weights the model used.
+            self.register_buffer("path_weights", torch.full(
+                (num_features,), fixed_path_weight(num_features, path_norm)))
+            self.register_buffer("residual_weight", torch.ones(()))
+
+    def features(self, paths: Tensor) -> Tensor:
+        """Raw path outputs [n, ...] followed by the cheap features, computed in O(n):
+        (sum of all paths - path j) / (n - 1)."""
+        if not self.cheap_features:
+            return paths
+        others = (paths.sum(0, keepdim=True) - paths) / (self.num_paths - 1)
+        return torch.cat([paths, others], 0)
+
+    def forward(self, paths: Tensor, residual: Tensor) -> Tensor:
+        features = self.features(paths)
+        if self.path_norm is not None:
+            features = self.path_norm(features)
+        mixed = torch.tensordot(self.path_weights.to(features.dtype), features, dims=1)
+        # Dropout on the mixed sublayer output, where fairseq's pre-norm layer drops the sublayer
+        # output before the residual sum: one mask per token, not one per path.
+        mixed = F.dropout(mixed, self.dropout, self.training)
+        return self.residual_weight.to(residual.dtype) * residual + mixed
+
+
+def _padding_concat(previous: Optional[Tensor], current: Optional[Tensor], batch: int,
+                    previous_len: int, current_len: int, device) -> Optional[Tensor]:
+    """Key padding mask of cached keys followed by new keys (missing masks mean no padding)."""
+    if previous is None and current is None:
+        return None
+    if previous is None:
+        previous = torch.zeros(batch, previous_len, dtype=torch.bool, device=device)
+    if current is None:
+        current = torch.zeros(batch, current_len, dtype=torch.bool, device=device)
+    return torch.cat([previous, current], 1)
+
+
+def attention_mask(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                   dtype: torch.dtype) -> Optional[Tensor]:
+    """One ``scaled_dot_product_attention`` mask from fairseq's two: ``key_padding_mask`` [B, S]
+    (True = padding) and ``attn_mask`` [T, S] (bool, True = masked, or additive float)."""
+    padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    if attn_mask is None:
+        return None if padding is None else ~padding
+    if attn_mask.dtype == torch.bool:
+        return ~attn_mask if padding is None else ~(attn_mask | padding)
+    attn_mask = attn_mask.to(dtype)
+    if padding is None:
+        return attn_mask
+    return attn_mask + torch.zeros(padding.shape, dtype=dtype,
+                                   device=attn_mask.device).masked_fill(padding, float("-inf"))
+
+
+class MultiPathAttention(nn.Module):
+    """n independent multi-head attentions (the attention paths F_i of Lin et al., 2022) as one:
+    q/k/v of every path from one projection d -> 3nd, one attention over n x heads, the per-path
+    output projections as one batched matmul. Returns path outputs [n, T, B, d]."""
+
+    def __init__(self, num_paths: int, embed_dim: int, num_heads: int,
+                 kdim: Optional[int] = None, dropout: float = 0.0,
+                 encoder_decoder_attention: bool = False):
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        self.num_paths = num_paths
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.encoder_decoder_attention = encoder_decoder_attention
+        kdim = kdim or embed_dim
+        # Output rows are ordered (q/k/v, path, head, head_dim), as nn.MultiheadAttention's are
+        # within one path.
+        if encoder_decoder_attention:
+            self.q_proj = nn.Linear(embed_dim, num_paths * embed_dim)
+            self.kv_proj = nn.Linear(kdim, 2 * num_paths * embed_dim)
+        else:
+            self.in_proj = nn.Linear(embed_dim, 3 * num_paths * embed_dim)
+        # [path, in, out]: path i computes x @ out_proj_weight[i] + out_proj_bias[i].
+        self.out_proj_weight = nn.Parameter(torch.empty(num_paths, embed_dim, embed_dim))
+        self.out_proj_bias = nn.Parameter(torch.zeros(num_paths, embed_dim))
+        self.reset_parameters(kdim)
+
+    def reset_parameters(self, kdim: int):
+        # fairseq's per-path initialisation: Xavier-uniform q/k/v (gain 1/sqrt(2)) and output
+        # projections computed on each path's own d x d block; zero output bias.
+        def xavier_(weight, fan_in, fan_out, gain):
+            bound = gain * math.sqrt(6.0 / (fan_in + fan_out))
+            nn.init.uniform_(weight, -bound, bound)
+
+        d = self.embed_dim
+        if self.encoder_decoder_attention:
+            xavier_(self.q_proj.weight, d, d, 2 ** -0.5)
+            xavier_(self.kv_proj.weight, kdim, d, 2 ** -0.5)
+        else:
+            xavier_(self.in_proj.weight, d, d, 2 ** -0.5)
+        xavier_(self.out_proj_weight, d, d, 1.0)
+        nn.init.zeros_(self.out_proj_bias)
+
+    def _heads(self, x: Tensor, parts: int) -> Tensor:
+        """[S, B, parts * n * d] -> [parts, B, n * heads, S, head_dim] (a view)."""
+        S, B, _ = x.shape
+        return x.view(S, B, parts, self.num_paths * self.num_heads, self.head_dim).permute(
+            2, 1, 3, 0, 4)
+
+    def forward(self, query: Tensor, key: Optional[Tensor] = None,
+                key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                cache: Optional[Dict[str, Tensor]] = None) -> Tensor:
+        """``query`` [T, B, d], ``key`` [S, B, kdim] (encoder-decoder attention only);
+        ``cache``: a dict this call reads and extends for incremental decoding (keys/values of
+        earlier steps for self-attention, the encoder's keys/values for cross-attention)."""
+        T, B, d = query.shape
+        if self.encoder_decoder_attention:
+            q = self._heads(self.q_proj(query), 1)[0]
+            if cache is not None and "key" in cache:
+                k, v = cache["key"], cache["value"]
+            else:
+                k, v = self._heads(self.kv_proj(key), 2).unbind(0)
+                if cache is not None:
+                    cache["key"], cache["value"] = k, v
+        else:
+            q, k, v = self._heads(self.in_proj(query), 3).unbind(0)
+            if cache is not None:
+                if "key" in cache:
+                    previous_len = cache["key"].size(2)
+                    k = torch.cat([cache["key"], k], 2)
+                    v = torch.cat([cache["value"], v], 2)
+                    key_padding_mask = _padding_concat(
+                        cache.get("key_padding_mask"), key_padding_mask, B, previous_len, T,
+                        query.device)
+                cache["key"], cache["value"] = k, v
+                if key_padding_mask is not None:
+                    cache["key_padding_mask"] = key_padding_mask
+        mask = attention_mask(key_padding_mask, attn_mask, q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        # [B, n * heads, T, head_dim] -> [n, T * B, d] for the batched output projections.
+        out = out.view(B, self.num_paths, self.num_heads, T, self.head_dim).permute(
+            1, 3, 0, 2, 4).reshape(self.num_paths, T * B, d)
+        out = torch.baddbmm(self.out_proj_bias.unsqueeze(1), out, self.out_proj_weight)
+        return out.view(self.num_paths, T, B, d)
+
+
+class MultiPathFeedForward(nn.Module):
+    """n independent FFNs (the FFN paths F_i of Lin et al., 2022): the first projections of all
+    paths as one d -> n * ffn matmul (they share their input LN(X)), the second as one batched
+    matmul. Returns path outputs [n, T, B, d]."""
+
+    def __init__(self, num_paths: int, embed_dim: int, ffn_dim: int, activation: str = "relu",
+                 activation_dropout: float = 0.0):
+        super().__init__()
+        self.num_paths = num_paths
+        self.ffn_dim = ffn_dim
+        self.activation = activation_function(activation)
+        self.activation_dropout = activation_dropout
+        self.fc1 = nn.Linear(embed_dim, num_paths * ffn_dim)
+        # [path, in, out]; initialised as nn.Linear(ffn_dim, embed_dim) initialises each path.
+        bound = 1.0 / math.sqrt(ffn_dim)
+        self.fc2_weight = nn.Parameter(torch.empty(num_paths, ffn_dim, embed_dim).uniform_(
+            -bound, bound))
+        self.fc2_bias = nn.Parameter(torch.empty(num_paths, embed_dim).uniform_(-bound, bound))
+
+    def forward(self, x: Tensor) -> Tensor:
+        T, B, d = x.shape
+        hidden = self.activation(self.fc1(x))
+        hidden = F.dropout(hidden, self.activation_dropout, self.training)
+        hidden = hidden.view(T * B, self.num_paths, self.ffn_dim).transpose(0, 1)
+        out = torch.baddbmm(self.fc2_bias.unsqueeze(1), hidden, self.fc2_weight)
+        return out.view(self.num_paths, T, B, d)
+
+
+class MultiPathEncoderLayer(nn.Module):
+    """A pre-norm Multi-Path Transformer encoder layer (Lin et al., 2022, Fig. 2): self-attention
+    and FFN sublayers, each Y = beta * X + sum_f alpha_f * PathNorm_f(F_f(LN(X)))."""
+
+    def __init__(self, embed_dim: int, ffn_dim: int, num_heads: int, num_paths: int,
+                 path_norm: bool = True, learnable_weights: bool = True,
+                 cheap_features: bool = False, dropout: float = 0.0,
+                 attention_dropout: float = 0.0, activation_dropout: float = 0.0,
+                 activation: str = "relu"):
+        super().__init__()
+        mixer = partial(PathMixer, num_paths, embed_dim, path_norm=path_norm,
+                        learnable_weights=learnable_weights, cheap_features=cheap_features,
+                        dropout=dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
+        self.self_attn = MultiPathAttention(num_paths, embed_dim, num_heads,
+                                            dropout=attention_dropout)
+        self.self_attn_mixer = mixer()
+        self.final_layer_norm = nn.LayerNorm(embed_dim)
+        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation,
+                                        activation_dropout)
+        self.ffn_mixer = mixer()
+
+    def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor] = None,
+                attn_mask: Optional[Tensor] = None) -> Tensor:
+        """``x`` [T, B, d]; ``encoder_padding_mask`` [B, T], True at padding."""
+        paths = self.self_attn(self.self_attn_layer_norm(x),
+                               key_padding_mask=encoder_padding_mask, attn_mask=attn_mask)
+        x = self.self_attn_mixer(paths, x)
+        return self.ffn_mixer(self.ffn(self.final_layer_norm(x)), x)
+
+
+class MultiPathDecoderLayer(nn.Module):
+    """A pre-norm Multi-Path decoder layer: the encoder layer's construction applied to masked
+    self-attention, encoder-decoder attention and FFN (an extension beyond Lin et al., 2022)."""
+
+    def __init__(self, embed_dim: int, ffn_dim: int, num_heads: int, num_paths: int,
+                 path_norm: bool = True, learnable_weights: bool = True,
+                 cheap_features: bool = False, dropout: float = 0.0,
+                 attention_dropout: float = 0.0, activation_dropout: float = 0.0,
+                 activation: str = "relu", encoder_embed_dim: Optional[int] = None,
+                 no_encoder_attn: bool = False):
+        super().__init__()
+        mixer = partial(PathMixer, num_paths, embed_dim, path_norm=path_norm,
+                        learnable_weights=learnable_weights, cheap_features=cheap_features,
+                        dropout=dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
+        self.self_attn = MultiPathAttention(num_paths, embed_dim, num_heads,
+                                            dropout=attention_dropout)
+        self.self_attn_mixer = mixer()
+        if no_encoder_attn:
+            self.encoder_attn = None
+        else:
+            self.encoder_attn_layer_norm = nn.LayerNorm(embed_dim)
+            self.encoder_attn = MultiPathAttention(
+                num_paths, embed_dim, num_heads, kdim=encoder_embed_dim or embed_dim,
+                dropout=attention_dropout, encoder_decoder_attention=True)
+            self.encoder_attn_mixer = mixer()
+        self.final_layer_norm = nn.LayerNorm(embed_dim)
+        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation,
+                                        activation_dropout)
+        self.ffn_mixer = mixer()
+
+    def forward(self, x: Tensor, encoder_out: Optional[Tensor] = None,
+                encoder_padding_mask: Optional[Tensor] = None,
+                self_attn_mask: Optional[Tensor] = None,
+                self_attn_padding_mask: Optional[Tensor] = None,
+                cache: Optional[Dict[str, Dict[str, Tensor]]] = None) -> Tensor:
+        """``x`` [T, B, d] (the new positions only when ``cache`` holds earlier steps);
+        ``cache``: a dict this layer keeps its incremental-decoding state in."""
+        self_cache = None if cache is None else cache.setdefault("self_attn", {})
+        paths = self.self_attn(self.self_attn_layer_norm(x),
+                               key_padding_mask=self_attn_padding_mask, attn_mask=self_attn_mask,
+                               cache=self_cache)
+        x = self.self_attn_mixer(paths, x)
+        if self.encoder_attn is not None:
+            cross_cache = None if cache is None else cache.setdefault("encoder_attn", {})
+            paths = self.encoder_attn(self.encoder_attn_layer_norm(x), encoder_out,
+                                      key_padding_mask=encoder_padding_mask, cache=cross_cache)
+            x = self.encoder_attn_mixer(paths, x)
+        return self.ffn_mixer(self.ffn(self.final_layer_norm(x)), x)

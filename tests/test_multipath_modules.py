@@ -1,0 +1,220 @@
+"""The batched multi-path layers against the loop-over-modules reference and fairseq's layer."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from multipath_nmt.modules.multipath import (
+    MultiPathDecoderLayer,
+    MultiPathEncoderLayer,
+    PathMixer,
+    PathNorm,
+)
+from multipath_nmt.modules.multipath_reference import (
+    ReferenceMultiPathDecoderLayer,
+    ReferenceMultiPathEncoderLayer,
+)
+
+D, FFN, HEADS = 16, 24, 4
+
+
+def _randomize_(module):
+    """Move every parameter off its initial value (PathNorm affine, path weights, biases) so the
+    comparison exercises them."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return module
+
+
+def _pair(layer_cls, reference_cls, **options):
+    reference = _randomize_(reference_cls(D, FFN, HEADS, **options))
+    batched = layer_cls(D, FFN, HEADS, **options)
+    batched.load_state_dict(reference.batched_state_dict())
+    return batched.eval(), reference.eval()
+
+
+def _inputs(T=7, B=3):
+    x = torch.randn(T, B, D)
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[1, -2:] = True  # right padding
+    padding[2, :3] = True  # left padding (fairseq's source side)
+    return x, padding
+
+
+def _assert_close_grads(batched, reference):
+    expected = reference.batched_gradients()
+    for name, p in batched.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert set(expected) >= {n for n, _ in batched.named_parameters()}
+
+
+OPTIONS = [dict(num_paths=n, path_norm=norm, learnable_weights=learn, cheap_features=cheap)
+           for n, norm, learn, cheap in itertools.product((1, 2, 3, 4), (True, False),
+                                                          (True, False), (False, True))
+           if n > 2 or not cheap]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_encoder_layer_matches_reference_outputs_and_gradients(options):
+    batched, reference = _pair(MultiPathEncoderLayer, ReferenceMultiPathEncoderLayer, **options)
+    x, padding = _inputs()
+    x_batched, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_batched = batched(x_batched, padding)
+    out_reference = reference(x_reference, padding)
+    torch.testing.assert_close(out_batched, out_reference, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn_like(out_batched)
+    (out_batched * upstream).sum().backward()
+    (out_reference * upstream).sum().backward()
+    torch.testing.assert_close(x_batched.grad, x_reference.grad, atol=1e-5, rtol=1e-5)
+    _assert_close_grads(batched, reference)
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_paths=1, path_norm=False, learnable_weights=False),
+    dict(num_paths=2),
+    dict(num_paths=3, cheap_features=True),
+    dict(num_paths=4, path_norm=False, cheap_features=True),
+], ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_decoder_layer_matches_reference_outputs_and_gradients(options):
+    batched, reference = _pair(MultiPathDecoderLayer, ReferenceMultiPathDecoderLayer, **options)
+    x, target_padding = _inputs(T=6)
+    target_padding[2] = False  # targets are right-padded only
+    encoder_out, source_padding = _inputs(T=8)
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)  # True = masked, like the padding mask
+    x_batched, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_batched = batched(x_batched, encoder_out, source_padding, future, target_padding)
+    out_reference = reference(x_reference, encoder_out, source_padding, future, target_padding)
+    torch.testing.assert_close(out_batched, out_reference, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn_like(out_batched)
+    (out_batched * upstream).sum().backward()
+    (out_reference * upstream).sum().backward()
+    torch.testing.assert_close(x_batched.grad, x_reference.grad, atol=1e-5, rtol=1e-5)
+    _assert_close_grads(batched, reference)
+
+
+def test_weights_round_trip_between_batched_and_reference():
+    batched = _randomize_(MultiPathEncoderLayer(D, FFN, HEADS, 3, cheap_features=True))
+    reference = ReferenceMultiPathEncoderLayer(D, FFN, HEADS, 3, cheap_features=True)
+    reference.load_batched_state_dict(batched.state_dict())
+    round_trip = reference.batched_state_dict()
+    for name, tensor in batched.state_dict().items():
+        assert torch.equal(round_trip[name], tensor), name
+
+
+@pytest.mark.parametrize("num_paths,cheap", [(1, False), (3, False), (3, True)])
+def test_incremental_decoding_equals_full_sequence(num_paths, cheap):
+    layer = _randomize_(MultiPathDecoderLayer(D, FFN, HEADS, num_paths,
+                                              cheap_features=cheap)).eval()
+    x, _ = _inputs(T=5)
+    encoder_out, source_padding = _inputs(T=8)
+    future = torch.triu(torch.full((5, 5), float("-inf")), 1)
+    full = layer(x, encoder_out, source_padding, future)
+    cache = {}
+    steps = [layer(x[t:t + 1], encoder_out, source_padding, cache=cache) for t in range(5)]
+    torch.testing.assert_close(torch.cat(steps), full, atol=1e-6, rtol=1e-6)
+    assert cache["self_attn"]["key"].shape == (3, num_paths * HEADS, 5, D // HEADS)
+
+
+def test_one_path_without_path_norm_is_fairseqs_prenorm_encoder_layer():
+    from argparse import Namespace
+
+    from fairseq.modules import TransformerEncoderLayer
+
+    args = Namespace(encoder_embed_dim=D, encoder_ffn_embed_dim=FFN,
+                     encoder_attention_heads=HEADS, encoder_normalize_before=True, dropout=0.0,
+                     attention_dropout=0.0, activation_dropout=0.0, activation_fn="relu")
+    fairseq_layer = _randomize_(TransformerEncoderLayer(args)).eval()
+    layer = MultiPathEncoderLayer(D, FFN, HEADS, 1, path_norm=False,
+                                  learnable_weights=False).eval()
+    assert layer.self_attn_mixer.path_weights.tolist() == [1.0]
+    assert layer.ffn_mixer.residual_weight.item() == 1.0
+    attn = fairseq_layer.self_attn
+    layer.load_state_dict({
+        "self_attn_layer_norm.weight": fairseq_layer.self_attn_layer_norm.weight,
+        "self_attn_layer_norm.bias": fairseq_layer.self_attn_layer_norm.bias,
+        "self_attn.in_proj.weight": torch.cat(
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        "self_attn.in_proj.bias": torch.cat([attn.q_proj.bias, attn.k_proj.bias,
+                                             attn.v_proj.bias]),
+        "self_attn.out_proj_weight": attn.out_proj.weight.t()[None],
+        "self_attn.out_proj_bias": attn.out_proj.bias[None],
+        "self_attn_mixer.path_weights": torch.ones(1),
+        "self_attn_mixer.residual_weight": torch.tensor(1.0),
+        "final_layer_norm.weight": fairseq_layer.final_layer_norm.weight,
+        "final_layer_norm.bias": fairseq_layer.final_layer_norm.bias,
+        "ffn.fc1.weight": fairseq_layer.fc1.weight,
+        "ffn.fc1.bias": fairseq_layer.fc1.bias,
+        "ffn.fc2_weight": fairseq_layer.fc2.weight.t()[None],
+        "ffn.fc2_bias": fairseq_layer.fc2.bias[None],
+        "ffn_mixer.path_weights": torch.ones(1),
+        "ffn_mixer.residual_weight": torch.tensor(1.0),
+    })
+    x, padding = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, padding), fairseq_layer(x, padding),
+                                   atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_paths,path_norm,cheap,expected", [
+    (4, False, False, 1 / 4),  # original multi-path: plain average
+    (4, True, False, 1 / 2),  # + PathNorm: 1/sqrt(n)
+    (3, True, True, 1 / math.sqrt(6)),  # 2n summed features
+    (3, False, True, 1 / 6),
+])
+def test_fixed_path_weights(num_paths, path_norm, cheap, expected):
+    mixer = PathMixer(num_paths, D, path_norm=path_norm, learnable_weights=False,
+                      cheap_features=cheap)
+    assert list(mixer.parameters()) == list(mixer.path_norm.parameters() if path_norm else [])
+    torch.testing.assert_close(mixer.path_weights,
+                               torch.full((len(mixer.path_weights),), expected))
+    assert mixer.residual_weight.item() == 1.0
+
+
+@pytest.mark.parametrize("num_paths,cheap,features", [(2, False, 2), (2, True, 2), (4, True, 8)])
+def test_learnable_weights_start_at_one_over_sqrt_2n(num_paths, cheap, features):
+    mixer = PathMixer(num_paths, D, cheap_features=cheap)
+    assert mixer.path_weights.requires_grad and mixer.residual_weight.requires_grad
+    torch.testing.assert_close(mixer.path_weights,
+                               torch.full((features,), 1 / math.sqrt(2 * num_paths)))
+    assert mixer.residual_weight.item() == 1.0
+
+
+def test_cheap_features_are_averages_of_the_other_paths():
+    mixer = PathMixer(4, D, cheap_features=True)
+    paths = torch.randn(4, 5, 2, D)
+    features = mixer.features(paths)
+    assert features.shape == (8, 5, 2, D)
+    torch.testing.assert_close(features[:4], paths)
+    for j in range(4):
+        others = torch.stack([paths[i] for i in range(4) if i != j]).mean(0)
+        torch.testing.assert_close(features[4 + j], others)
+
+
+def test_path_norm_half_precision_does_not_overflow():
+    norm = _randomize_(PathNorm(3, D))
+    features = 2000 * torch.randn(3, 5, 2, D)  # squares overflow fp16 (max 65504)
+    expected = norm(features)
+    got = norm.half()(features.half())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_layers_run_in_half_precision_and_bf16_autocast():
+    batched, _ = _pair(MultiPathDecoderLayer, ReferenceMultiPathDecoderLayer, num_paths=3,
+                       cheap_features=True)
+    x, _ = _inputs(T=5)
+    encoder_out, source_padding = _inputs(T=8)
+    future = torch.triu(torch.full((5, 5), float("-inf")), 1)
+    expected = batched(x, encoder_out, source_padding, future)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = batched(x, encoder_out, source_padding, future)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected, atol=0.15, rtol=0.05)
+    encoder = _randomize_(MultiPathEncoderLayer(D, FFN, HEADS, 2)).eval()
+    big = 300 * x  # pre-norm residual stream with large activations
+    expected = encoder(big)
+    got = encoder.half()(big.half())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected, atol=0.5, rtol=1e-2)
