@@ -1,0 +1,1 @@
+"""Analyses of trained checkpoints, importable (the multipath-inspect CLI calls them)."""
