@@ -1,0 +1,111 @@
+"""Checkpoint averaging with the semantics of fairseq's ``scripts/average_checkpoints.py``.
+
+Differences, all deliberate: checkpoints load through ``fairseq.checkpoint_utils`` (safe
+``weights_only`` loading on PyTorch >= 2.6 with the plug-in's allow-list), the mean of each
+floating-point tensor is accumulated in float64 and cast back to the tensor's own dtype (so it is
+the float64 mean rounded once), non-float tensors must be identical in every input, inputs of a
+different architecture, key set or shape are refused, and the output is written atomically.
+Everything besides ``model`` (config, task state, ...) comes from the first input, which with
+``--num-*-checkpoints`` is the newest one, as in fairseq.
+"""
+import collections
+import os
+import re
+from typing import List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+import multipath_nmt  # noqa: F401  (installs the safe-loading allow-list)
+from fairseq import checkpoint_utils
+
+
+class AveragingError(ValueError):
+    """Checkpoints that cannot be averaged, with the reason and the files involved."""
+
+
+def last_n_checkpoints(folder, n: int, update_based: bool, upper_bound: Optional[int] = None) -> List[str]:
+    """The last ``n`` epoch (checkpointN.pt) or update (checkpoint_E_U.pt) checkpoints, newest first."""
+    if not os.path.isdir(folder):
+        raise AveragingError(f"{folder}: not a directory; --num-*-checkpoints needs the --save-dir "
+                             "of a training run as --inputs")
+    if n < 1:
+        raise AveragingError(f"the number of checkpoints to average must be >= 1, got {n}")
+    pattern = re.compile(r"checkpoint_\d+_(\d+)\.pt" if update_based else r"checkpoint(\d+)\.pt")
+    entries = []
+    for name in os.listdir(folder):
+        match = pattern.fullmatch(name)
+        if match and (upper_bound is None or int(match.group(1)) <= upper_bound):
+            entries.append((int(match.group(1)), name))
+    if len(entries) < n:
+        kind = "update (checkpoint_E_U.pt)" if update_based else "epoch (checkpointN.pt)"
+        bound = f" at or below {upper_bound}" if upper_bound is not None else ""
+        raise AveragingError(f"{folder}: found {len(entries)} {kind} checkpoints{bound} but need {n}; "
+                             "average fewer or train longer")
+    return [os.path.join(folder, name) for _, name in sorted(entries, reverse=True)[:n]]
+
+
+def _arch(state) -> Optional[str]:
+    model_cfg = state["cfg"]["model"] if state.get("cfg") is not None else state.get("args")
+    for attr in ("arch", "_name"):
+        name = getattr(model_cfg, attr, None) if model_cfg is not None else None
+        if name:
+            return name
+    return None
+
+
+def _load(path):
+    if not os.path.isfile(path):
+        raise AveragingError(f"{path}: no such checkpoint file")
+    try:
+        return checkpoint_utils.load_checkpoint_to_cpu(path)
+    except Exception as err:  # truncated file, not a checkpoint, untrusted globals
+        raise AveragingError(f"{path}: cannot be loaded as a fairseq checkpoint: {err}") from err
+
+
+def average_checkpoints(inputs: List[str]) -> dict:
+    """The first input's state with ``model`` replaced by the element-wise mean over all inputs."""
+    if not inputs:
+        raise AveragingError("no checkpoints to average; give --inputs FILE... or a directory "
+                             "with --num-epoch-checkpoints/--num-update-checkpoints")
+    first_path, first = inputs[0], _load(inputs[0])
+    reference = first["model"]
+    sums = collections.OrderedDict(
+        (k, v.double().clone() if v.is_floating_point() else v) for k, v in reference.items())
+    for path in inputs[1:]:
+        state = _load(path)
+        if _arch(state) != _arch(first):
+            raise AveragingError(f"{path} is a '{_arch(state)}' model but {first_path} is a "
+                                 f"'{_arch(first)}' model; average checkpoints of one run only")
+        params = state["model"]
+        if list(params) != list(reference):
+            only_here = sorted(set(params) - set(reference))[:5]
+            only_first = sorted(set(reference) - set(params))[:5]
+            raise AveragingError(f"{path} and {first_path} have different parameters "
+                                 f"(only in the former: {only_here}, only in the latter: {only_first})")
+        for key, value in params.items():
+            if value.shape != reference[key].shape or value.dtype != reference[key].dtype:
+                raise AveragingError(f"{key} is {value.dtype} {tuple(value.shape)} in {path} but "
+                                     f"{reference[key].dtype} {tuple(reference[key].shape)} in {first_path}")
+            if value.is_floating_point():
+                sums[key] += value.double()
+            elif not torch.equal(value, reference[key]):
+                raise AveragingError(f"{key} is a non-float tensor that differs between {path} and "
+                                     f"{first_path}; it cannot be averaged")
+    first["model"] = collections.OrderedDict(
+        (k, (v / len(inputs)).to(reference[k].dtype) if reference[k].is_floating_point() else v)
+        for k, v in sums.items())
+    return first
+
+
+def save_atomically(state: dict, output) -> None:
+    """Write ``output.tmp`` and rename it into place (fairseq's ``torch_persistent_save``)."""
+    output = str(output)
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise AveragingError(f"{folder}: output folder does not exist; create it first")
+    if OmegaConf.is_config(state.get("cfg")):
+        # Saved as fairseq's trainer saves it: a plain container (load_checkpoint_to_cpu turns
+        # it back into a DictConfig), so the file loads under the weights_only allow-list.
+        state = dict(state, cfg=OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True))
+    checkpoint_utils.torch_persistent_save(state, output)
