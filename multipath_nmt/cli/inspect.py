@@ -1,0 +1,90 @@
+"""multipath-inspect: learned path weights and path diversity of a trained checkpoint.
+
+Prints, per layer and sublayer, the path weights alpha, the residual weight beta and the path
+diversity |d| (Lin et al., 2022, Fig. 7; see :mod:`multipath_nmt.analysis.paths`), and for
+WideNet checkpoints the divergence of the per-layer LayerNorms.
+"""
+import argparse
+import importlib.util
+import math
+import os
+import sys
+from typing import List, Optional
+
+import multipath_nmt  # noqa: F401  (safe checkpoint loading on torch >= 2.6)
+from fairseq import checkpoint_utils
+from multipath_nmt.analysis.paths import path_weight_rows, plot_path_diversity
+
+
+def _widenet_rows(state_dict) -> List[dict]:
+    # The WideNet analysis is optional: older installs of the plug-in do not have it.
+    if importlib.util.find_spec("multipath_nmt.analysis.widenet") is None:
+        return []
+    from multipath_nmt.analysis.widenet import layernorm_divergence
+
+    try:
+        return layernorm_divergence(state_dict)
+    except ValueError:  # no WideNet layers in this checkpoint
+        return []
+
+
+def _number(value) -> str:
+    return "n/a" if isinstance(value, float) and math.isnan(value) else f"{value:.4f}"
+
+
+def format_path_rows(rows: List[dict]) -> str:
+    lines = ["| stack | layer | sublayer | paths | alpha | beta | abs(d) |",
+             "|---|---:|---|---:|---|---:|---:|"]
+    for r in rows:
+        alphas = ", ".join(f"{a:.4f}" for a in r["alphas"])
+        lines.append(f"| {r['stack']} | {r['layer'] + 1} | {r['sublayer']} | {r['num_paths']} "
+                     f"| {alphas} | {r['beta']:.4f} | {_number(r['diversity'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def format_generic_rows(rows: List[dict]) -> str:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(
+            _number(row[c]) if isinstance(row.get(c), float) else str(row.get(c, ""))
+            for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def inspect_checkpoint(path, plot: Optional[str] = None) -> str:
+    """The report for the checkpoint at ``path``; draws |d| per layer to ``plot`` if given."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint file {path}")
+    state_dict = checkpoint_utils.load_checkpoint_to_cpu(str(path))["model"]
+    rows = path_weight_rows(state_dict)
+    widenet = _widenet_rows(state_dict)
+    if not rows and not widenet:
+        raise ValueError(f"{path} has no multi-path sublayers (…_mixer.path_weights) or WideNet "
+                         "layers; inspect a multipath_transformer or widenet checkpoint")
+    if plot and not rows:
+        raise ValueError("--plot draws path diversity, which this checkpoint does not have")
+    report = []
+    if rows:
+        report.append("Path weights and diversity |d| = |a1 - a2| / |a1 + a2| (mean over pairs "
+                      "of raw paths for n > 2)\n\n" + format_path_rows(rows))
+        if plot:
+            plot_path_diversity(rows, plot)
+    if widenet:
+        report.append("WideNet per-layer LayerNorm divergence\n\n" + format_generic_rows(widenet))
+    return "\n".join(report)
+
+
+def cli_main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a fairseq checkpoint (e.g. checkpoint_best.pt)")
+    parser.add_argument("--plot", metavar="PNG", help="also draw path diversity per layer here")
+    args = parser.parse_args(argv)
+    try:
+        sys.stdout.write(inspect_checkpoint(args.checkpoint, args.plot))
+    except ValueError as error:
+        sys.exit(f"multipath-inspect: {error}")
+
+
+if __name__ == "__main__":
+    cli_main()
