@@ -53,11 +53,11 @@ def path_weight_rows(state_dict: Dict[str, torch.Tensor]) -> List[dict]:
 
 def plot_path_diversity(rows: List[dict], path) -> None:
     """|d| per layer, one line per stack and sublayer; written atomically to ``path``."""
+    # fairseq's text_to_speech task sets the root logger to DEBUG on import; matplotlib would
+    # then log its set-up and every font it considers.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
-    # fairseq's text_to_speech task sets the root logger to DEBUG on import; matplotlib would
-    # then log every font it considers.
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
