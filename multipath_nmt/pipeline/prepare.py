@@ -388,9 +388,6 @@ def fetch(archive, downloads, raw_dir=None, mirror=None):
     if target.is_file():
         log(f"[download] finished earlier, skipping: {target}")
         return target
-    if archive.manual and not mirror:
-        where = f"--raw-dir {raw_dir}" if raw_dir else "no --raw-dir given"
-        raise PrepareError(f"{name} not found ({where}): {archive.manual}")
     url = mirror_url(archive.url, mirror)
     part = target.with_name(name + ".part")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -495,9 +492,16 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
     out = Path(out or Path("data-bin") / task)
     work_dir = Path(work_dir) if work_dir else out.parent / f"{pair.name}.work"
     extract = work_dir / "extract"
+    downloads = work_dir / "downloads"
+    for archive_name in pair.archives():  # before any long download, say what the user must fetch
+        archive = ARCHIVES[archive_name]
+        if archive.manual and not mirror and not any(
+                (folder / archive.filename).is_file() for folder in (Path(raw_dir or downloads), downloads)):
+            where = f"--raw-dir {raw_dir}" if raw_dir else "no --raw-dir given"
+            raise PrepareError(f"{archive.filename} not found ({where}): {archive.manual}")
     extract_params = {}
     for archive_name, members in _pair_members(pair).items():
-        path = fetch(ARCHIVES[archive_name], work_dir / "downloads", raw_dir, mirror)
+        path = fetch(ARCHIVES[archive_name], downloads, raw_dir, mirror)
         params = {"stage": "extract", "archive": stamp_of(path), "members": sorted(members)}
         run_stage(extract / archive_name, f"extract {path.name}", params,
                   lambda tmp, path=path, members=members: extract_members(path, members, tmp))
