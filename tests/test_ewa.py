@@ -1,0 +1,250 @@
+"""EWA: the update formula, schedule, random uniform partition, eval = mean-FFN dense layer, the
+fp32-master-copy path of fairseq's FP16Optimizer, and training through fairseq-train."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multipath_nmt import ewa_training
+from multipath_nmt.modules.ewa import (EWAFeedForward, EWASchedule, average_experts_,
+                                       uniform_partition)
+from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
+
+
+def test_update_formula_on_hand_numbers():
+    # E = 3, b = 0.3: W_i <- 0.7 W_i + 0.15 * (sum of the other two)
+    stacked = torch.tensor([[1.0], [2.0], [6.0]])
+    average_experts_(stacked, 0.3)
+    assert torch.allclose(stacked, torch.tensor([[1.9], [2.45], [4.65]]))
+    # the update keeps the experts' mean, i.e. the deployed FFN is unchanged by it
+    assert stacked.sum().item() == pytest.approx(9.0)
+
+
+def test_share_rate_that_collapses_all_experts():
+    # b = (E-1)/E makes every expert the mean
+    stacked = torch.randn(4, 3, 5)
+    mean = stacked.mean(0)
+    average_experts_(stacked, 0.75)
+    assert torch.allclose(stacked, mean.expand_as(stacked), atol=1e-6)
+
+
+def test_schedule_values():
+    linear = EWASchedule(0.4, "linear", total_updates=100)
+    assert [linear.share_rate_at(n) for n in (0, 25, 50, 100, 150)] == pytest.approx(
+        [0.0, 0.1, 0.2, 0.4, 0.4])
+    constant = EWASchedule(0.4, "constant")
+    assert [constant.share_rate_at(n) for n in (1, 1000)] == [0.4, 0.4]
+    early = EWASchedule(0.4, "linear", total_updates=100, stop_at=0.5)
+    assert early.share_rate_at(50) == pytest.approx(0.2)
+    assert early.share_rate_at(51) == 0.0
+    with pytest.raises(ValueError, match="--max-update"):
+        EWASchedule(0.4, "linear").share_rate_at(1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(share_rate=1.5), "share rate must be in"),
+    (dict(share_rate=-0.1), "share rate must be in"),
+    (dict(share_rate=0.3, stop_at=1.2), "stop-at must be"),
+    (dict(share_rate=0.3, schedule="cosine"), "unknown EWA schedule"),
+])
+def test_schedule_rejects_impossible_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EWASchedule(**kwargs)
+
+
+def test_needs_two_experts():
+    with pytest.raises(ValueError, match="at least 2 experts"):
+        EWAFeedForward(4, 8, 1, EWASchedule(0.3, "constant"))
+
+
+def test_partition_sizes_and_reproducibility():
+    torch.manual_seed(3)
+    order, expert, slot = uniform_partition(10, 4)
+    assert sorted(order.tolist()) == list(range(10))
+    assert torch.bincount(expert, minlength=4).tolist() == [3, 3, 2, 2]
+    # slots within an expert are 0..size-1
+    for e in range(4):
+        assert sorted(slot[expert == e].tolist()) == list(range(int((expert == e).sum())))
+    torch.manual_seed(3)
+    assert torch.equal(uniform_partition(10, 4)[0], order)
+
+
+def test_partition_is_uniform():
+    torch.manual_seed(0)
+    counts = torch.zeros(6, 3)
+    draws = 3000
+    for _ in range(draws):
+        order, expert, _ = uniform_partition(6, 3)
+        counts[order, expert] += 1
+    # every token lands in every expert with probability 1/3
+    assert (counts / draws - 1 / 3).abs().max() < 0.04
+
+
+def _ffn(num_experts=4, embed=6, hidden=10):
+    return EWAFeedForward(embed, hidden, num_experts, EWASchedule(0.3, "constant"))
+
+
+def test_training_forward_equals_per_group_reference():
+    ffn = _ffn()
+    x = torch.randn(5, 3, 6)  # [T, B, d]
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    padding[2, 1:] = True
+    torch.manual_seed(7)
+    out = ffn(x, padding)
+
+    tokens = x.reshape(-1, 6)
+    real = (~padding.t().reshape(-1)).nonzero().squeeze(1)
+    torch.manual_seed(7)
+    order, expert, _ = uniform_partition(real.numel(), 4)
+    expected = torch.zeros_like(tokens)
+    for position, token in enumerate(real[order].tolist()):
+        e = int(expert[position])
+        hidden = F.relu(F.linear(tokens[token], ffn.fc1_weight[e], ffn.fc1_bias[e]))
+        expected[token] = F.linear(hidden, ffn.fc2_weight[e], ffn.fc2_bias[e])
+    assert torch.allclose(out.reshape(-1, 6), expected, atol=1e-6)
+    assert (out.reshape(-1, 6)[padding.t().reshape(-1)] == 0).all()
+
+
+def test_eval_is_the_dense_mean_ffn():
+    ffn = _ffn().eval()
+    fc1, fc2 = nn.Linear(6, 10), nn.Linear(10, 6)
+    with torch.no_grad():
+        fc1.weight.copy_(ffn.fc1_weight.mean(0))
+        fc1.bias.copy_(ffn.fc1_bias.mean(0))
+        fc2.weight.copy_(ffn.fc2_weight.mean(0))
+        fc2.bias.copy_(ffn.fc2_bias.mean(0))
+    x = torch.randn(5, 3, 6)
+    dense = fc2(F.relu(fc1(x)))
+    assert torch.equal(ffn(x, torch.zeros(3, 5, dtype=torch.bool)), dense)
+    # the FFN is nonlinear: the folded FFN is not the mean of the experts' outputs
+    outputs = torch.stack([F.linear(F.relu(F.linear(x, ffn.fc1_weight[e], ffn.fc1_bias[e])),
+                                    ffn.fc2_weight[e], ffn.fc2_bias[e]) for e in range(4)])
+    assert not torch.allclose(outputs.mean(0), dense, atol=1e-4)
+
+
+def test_after_step_averages_module_weights_without_master_copies():
+    ffn = _ffn()
+    before = [p.detach().clone() for p in ffn.expert_parameters()]
+    ffn.ewa_after_step(5, {})
+    for old, new in zip(before, ffn.expert_parameters()):
+        expected = old.clone()
+        average_experts_(expected, 0.3)
+        assert torch.equal(new, expected)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.ffn = _ffn()
+
+
+def _fp16_optimizer(monkeypatch, flatten):
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    parser = options.get_training_parser()
+    flags = ["data", "--arch", "transformer", "--optimizer", "adam", "--lr", "0.01", "--fp16",
+             "--fp16-init-scale", "1"]
+    if not flatten:
+        flags.append("--fp16-no-flatten-grads")
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, flags))
+    # the flat master buffer is placed on torch.cuda.current_device(); on a CPU-only machine
+    # key it by the CPU tensors' device index (None), which is what fairseq's syncs look up
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    model = _Model().half()
+    params = list(model.parameters())
+    return model, FP16Optimizer.build_optimizer(cfg, params)
+
+
+@pytest.mark.parametrize("flatten", [True, False], ids=["flat-master", "per-param-master"])
+def test_averaging_acts_on_fp16_optimizer_master_copies(monkeypatch, flatten):
+    model, optimizer = _fp16_optimizer(monkeypatch, flatten)
+    x = torch.randn(7, 2, 6).half()
+    optimizer.backward(model.ffn(model.proj(x), None).float().pow(2).sum())
+    optimizer.step()
+    views = ewa_training.master_views(optimizer)
+    assert set(views) == set(model.parameters())
+    masters = [views[p].clone() for p in model.ffn.expert_parameters()]
+    assert all(m.dtype == torch.float32 for m in masters)
+
+    ewa_training.after_step(model, optimizer, num_updates=3)
+    for param, old_master in zip(model.ffn.expert_parameters(), masters):
+        expected = old_master.clone()
+        average_experts_(expected, 0.3)
+        assert torch.equal(views[param], expected)  # the optimizer's fp32 copy is averaged
+        assert torch.equal(param.data, expected.half())
+    # fairseq copies the masters into the fp16 model after every step: nothing is undone
+    optimizer._sync_fp32_params_to_fp16()
+    for param, old_master in zip(model.ffn.expert_parameters(), masters):
+        expected = old_master.clone()
+        average_experts_(expected, 0.3)
+        assert torch.equal(param.data, expected.half())
+
+
+def test_averaging_only_the_fp16_copy_would_be_undone(monkeypatch):
+    """Why master copies matter: averaging the model's own fp16 weights is overwritten."""
+    model, optimizer = _fp16_optimizer(monkeypatch, True)
+    master = ewa_training.master_views(optimizer)[model.ffn.fc1_weight].clone()
+    model.ffn.ewa_after_step(3, {})
+    optimizer._sync_fp32_params_to_fp16()
+    assert torch.equal(model.ffn.fc1_weight.data, master.half())
+
+
+def test_hook_runs_only_on_real_steps():
+    from fairseq.trainer import Trainer
+
+    ewa_training.install()
+    ewa_training.install()  # idempotent
+    calls = []
+    module = SimpleNamespace(ewa_after_step=lambda n, views: calls.append(n))
+    fake = SimpleNamespace(_num_updates=0, quantizer=None, lr_step_update=lambda: None,
+                           optimizer=object(),
+                           model=SimpleNamespace(modules=lambda: [module]))
+    fake.get_num_updates = lambda: fake._num_updates
+    Trainer.set_num_updates(fake, 1)  # checkpoint load (outside train_step): no averaging
+    fake._ewa_in_train_step = True
+    Trainer.set_num_updates(fake, 2)  # an optimizer step
+    Trainer.set_num_updates(fake, 7)  # not a single step
+    assert calls == [2]
+
+
+def _collapsed(stacked):
+    return torch.equal(stacked, stacked[:1].expand_as(stacked))
+
+
+@pytest.mark.slow
+def test_fairseq_train_averages_after_every_update_in_half_precision(toy_data_bin, tmp_path):
+    from fairseq import checkpoint_utils
+
+    # b = (E-1)/E: after every real update all experts equal their mean
+    run_fairseq("train", toy_data_bin, "--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL,
+                *TRAIN_FLAGS, "--ewa-experts", "4", "--ewa-share-rate", "0.75",
+                "--ewa-schedule", "constant", "--memory-efficient-fp16", "--max-update", "3",
+                "--save-dir", tmp_path / "ck", "--no-epoch-checkpoints")
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "ck" / "checkpoint_last.pt"))
+    assert state["optimizer_history"][-1]["num_updates"] == 3
+    for name in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"):
+        stacked = state["model"][f"encoder.layers.1.ffn.{name}"]
+        assert stacked.shape[0] == 4
+        assert _collapsed(stacked), name
+    assert "encoder.layers.0.fc1.weight" in state["model"]  # every-2: layer 0 stays dense
+
+
+@pytest.mark.slow
+def test_early_ewa_averages_a_routed_moe_until_the_stop_point(toy_data_bin, tmp_path):
+    from fairseq import checkpoint_utils
+
+    run_fairseq("train", toy_data_bin, "--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL,
+                *TRAIN_FLAGS, "--ewa-share-rate", "0.75", "--ewa-schedule", "constant",
+                "--ewa-stop-at", "0.5", "--max-update", "4", "--save-interval-updates", "2",
+                "--save-dir", tmp_path / "ck", "--no-epoch-checkpoints")
+    at_2 = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "ck" / "checkpoint_1_2.pt"))
+    last = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "ck" / "checkpoint_last.pt"))
+    assert "encoder.layers.1.ffn.router.weight" in last["model"]  # a learned top-1 router
+    assert _collapsed(at_2["model"]["encoder.layers.1.ffn.fc1_weight"])  # averaged until 2 = 0.5*4
+    assert not _collapsed(last["model"]["encoder.layers.1.ffn.fc1_weight"])  # then a plain MoE
