@@ -1,0 +1,152 @@
+"""label_smoothed_cross_entropy_with_moe: the balance term, its logging, and WideNet end to end."""
+import re
+import shutil
+
+import pytest
+import torch
+from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_fairseq
+from fairseq import metrics
+
+from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
+    LabelSmoothedCrossEntropyWithMoeCriterion,
+    pop_all_routing_stats,
+)
+
+CRITERION = ["--criterion", "label_smoothed_cross_entropy_with_moe"]
+
+
+def build(data, arch, *extra):
+    from fairseq import options, tasks
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        str(data), "--arch", arch, *TINY_MODEL, "--share-all-embeddings", "--cpu",
+        "--user-dir", str(USER_DIR), "--label-smoothing", "0.1", *extra])
+    task = tasks.setup_task(args)
+    task.load_dataset("train")
+    dataset = task.dataset("train")
+    sample = dataset.collater([dataset[i] for i in range(4)])
+    return task, task.build_model(args).train(), task.build_criterion(args), sample
+
+
+def plain_criterion(task):
+    from fairseq.criterions.label_smoothed_cross_entropy import (
+        LabelSmoothedCrossEntropyCriterion,
+    )
+    return LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
+
+
+def test_balance_term_is_lambda_times_sample_size_times_summed_losses(toy_data_bin):
+    task, model, criterion, sample = build(toy_data_bin, "widenet_transformer_wmt_en_de",
+                                           *CRITERION, "--moe-balance-weight", "0.5")
+    assert isinstance(criterion, LabelSmoothedCrossEntropyWithMoeCriterion)
+    torch.manual_seed(3)
+    loss, sample_size, log = criterion(model, sample)
+    torch.manual_seed(3)  # the same dropout and router noise
+    plain_loss, plain_size, _ = plain_criterion(task)(model, sample)
+    calls = pop_all_routing_stats(model)
+    assert len(calls) == 2  # one shared MoE, called by both encoder layers
+    balance = sum(c.balance_loss for c in calls)
+    assert sample_size == plain_size == sample["ntokens"]
+    torch.testing.assert_close(loss, plain_loss + 0.5 * sample_size * balance)
+    assert log["loss"] == plain_loss.data  # the logged loss stays the translation loss
+    assert log["moe_balance_loss"] == pytest.approx(balance.item() * sample_size)
+    source_tokens = int(sample["net_input"]["src_lengths"].sum())
+    assert log["moe_assignments"] == 2 * 2 * source_tokens  # 2 calls x top-2, no padding
+    kept = sum(log[f"moe_load_{e}"] for e in range(4))
+    assert kept + log["moe_dropped"] == log["moe_assignments"]
+    router = next(m for m in model.modules() if hasattr(m, "router")).router
+    (loss - plain_loss).backward()
+    assert router.weight.grad.abs().sum() > 0  # the balance term trains the router
+
+
+def test_models_without_routing_get_the_plain_loss(toy_data_bin):
+    task, model, criterion, sample = build(toy_data_bin, "transformer", *CRITERION)
+    torch.manual_seed(4)
+    loss, _, log = criterion(model, sample)
+    torch.manual_seed(4)
+    plain_loss, _, plain_log = plain_criterion(task)(model, sample)
+    assert torch.equal(loss, plain_loss) and log == plain_log
+
+
+def test_reduce_metrics_hand_example():
+    logs = [
+        {"loss": 10.0, "nll_loss": 9.0, "ntokens": 10, "nsentences": 2, "sample_size": 10,
+         "moe_balance_loss": 2.5 * 10, "moe_dropped": 3, "moe_assignments": 40,
+         "moe_load_0": 30.0, "moe_load_1": 7.0},
+        {"loss": 30.0, "nll_loss": 27.0, "ntokens": 30, "nsentences": 5, "sample_size": 30,
+         "moe_balance_loss": 2.0 * 30, "moe_dropped": 1, "moe_assignments": 60,
+         "moe_load_0": 20.0, "moe_load_1": 43.0},
+    ]
+    with metrics.aggregate(new_root=True) as aggregated:
+        LabelSmoothedCrossEntropyWithMoeCriterion.reduce_metrics(logs)
+        values = aggregated.get_smoothed_values()
+    assert values["moe_balance_loss"] == pytest.approx((25 + 60) / 40)  # per-token weighted
+    assert values["moe_dropped_frac"] == pytest.approx(4 / 100)
+    assert values["moe_load_0"] == values["moe_load_1"] == pytest.approx(0.5)
+    assert values["moe_load_entropy"] == pytest.approx(0.6931, abs=1e-4)  # ln 2: balanced
+
+
+LOG_LINE = re.compile(r"train_inner \| epoch \d+:\s+\d+ / \d+ (.*)$")
+TIMING = {"wps", "ups", "wall", "train_wall"}
+
+
+def logged_updates(output):
+    """{num_updates: {metric: value}} of the train_inner lines, timings left out."""
+    updates = {}
+    for line in output.splitlines():
+        match = LOG_LINE.search(line)
+        if match:
+            fields = dict(item.split("=", 1) for item in match.group(1).split(", "))
+            updates[int(fields["num_updates"])] = {k: v for k, v in fields.items()
+                                                   if k not in TIMING}
+    return updates
+
+
+def train(data, save_dir, max_update, *extra):
+    flags = [f if f != "label_smoothed_cross_entropy" else CRITERION[1] for f in TRAIN_FLAGS]
+    proc = run_fairseq("train", data, "--arch", "widenet_transformer_wmt_en_de", *TINY_MODEL,
+                       *flags, "--save-dir", save_dir, "--max-update", str(max_update),
+                       "--no-epoch-checkpoints", *extra)
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_widenet_trains_resumes_bit_exactly_and_decodes(toy_data_bin, tmp_path):
+    # The straight run also saves its state after update 2, which the second run resumes from.
+    straight = train(toy_data_bin, tmp_path / "straight", 4, "--save-interval-updates", "2")
+    updates = logged_updates(straight)
+    assert sorted(updates) == [1, 2, 3, 4]
+    for logged in updates.values():
+        assert float(logged["moe_balance_loss"]) > 1.9  # two routing calls, each >= ~1
+        assert 0 <= float(logged["moe_dropped_frac"]) < 1
+        assert 0 < float(logged["moe_load_entropy"]) <= 1.3863  # ln 4
+        assert {f"moe_load_{e}" for e in range(4)} <= logged.keys()
+
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(tmp_path / "straight" / "checkpoint_1_2.pt",
+                tmp_path / "resumed" / "checkpoint_last.pt")
+    resumed = logged_updates(train(toy_data_bin, tmp_path / "resumed", 4))
+    assert sorted(resumed) == [3, 4]  # really resumed from checkpoint_last.pt
+    assert resumed[3] == updates[3] and resumed[4] == updates[4]
+    final = [torch.load(tmp_path / run / "checkpoint_last.pt", weights_only=False)["model"]
+             for run in ("straight", "resumed")]
+    assert final[0].keys() == final[1].keys()
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+    generated = run_fairseq("generate", toy_data_bin, "--path",
+                            tmp_path / "straight" / "checkpoint_last.pt", "--gen-subset", "test",
+                            "--beam", "2", "--max-tokens", "400", "--cpu").stdout
+    assert len(re.findall(r"^H-\d+\t", generated, flags=re.M)) == 40
+
+
+@pytest.mark.slow
+def test_widenet_trains_with_memory_efficient_fp16(toy_data_bin, tmp_path):
+    output = train(toy_data_bin, tmp_path / "fp16", 2, "--memory-efficient-fp16",
+                   "--moe-groups", "2")
+    updates = logged_updates(output)
+    assert 2 in updates
+    for logged in updates.values():
+        balance = float(logged["moe_balance_loss"])
+        assert 0.9 < balance < 2  # one routing call: --moe-groups 2 over 2 layers
+        assert float(logged["loss"]) < 20
