@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,18 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
     if proc.returncode != -signal.SIGKILL or last_saved is None:
         _fail(cmd, proc.returncode, output + "\n(expected to be killed after a checkpoint save)")
     return output, last_saved
+
+
+DUMP_RANKS = Path(__file__).with_name("train_and_dump_ranks.py")
+
+
+def torchrun_command(data, save_dir, model, *extra, ranks=2):
+    """``fairseq-train`` under ``torchrun`` on CPU: gloo over loopback, every rank dumping its state."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+            "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(DUMP_RANKS),
+            *train_command(data, save_dir, model, *extra)[3:],
+            "--distributed-world-size", str(ranks), "--distributed-backend", "gloo"]
 
 
 def free_port():

@@ -1,0 +1,49 @@
+"""What fairseq 0.12's own distributed path needs to run on CPU with gloo (``torchrun``).
+
+fairseq assumes one GPU per process when it is started by ``torchrun``/``torch.distributed.launch``:
+
+* it sets ``device_id = RANK % torch.cuda.device_count()``, a ZeroDivisionError without CUDA;
+* ``--ddp-backend pytorch_ddp`` (the default) passes ``device_ids=[device_id]`` to
+  ``DistributedDataParallel``, which PyTorch rejects for a module on the CPU.
+
+Both are fixed here without touching the GPU path: with CUDA nothing changes.
+"""
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+
+class CpuAwareDistributedDataParallel(DistributedDataParallel):
+    """PyTorch DDP that drops ``device_ids``/``output_device`` for CPU modules (they mean GPUs)."""
+
+    def __init__(self, module, device_ids=None, output_device=None, **kwargs):
+        if all(p.device.type == "cpu" for p in module.parameters()):
+            device_ids = output_device = None
+        super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
+
+
+def _infer_launch_init_without_cuda(infer):
+    def _infer_torch_distributed_launch_init(cfg):
+        if torch.cuda.device_count() > 0:
+            return infer(cfg)
+        cfg.distributed_init_method = "env://"
+        cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+        cfg.distributed_rank = int(os.environ["RANK"])
+        cfg.device_id = 0  # a GPU index; fairseq would call torch.cuda.set_device for > 0
+        cfg.distributed_no_spawn = True  # torchrun has already started one process per rank
+
+    _infer_torch_distributed_launch_init.__multipath_nmt_patched__ = True
+    return _infer_torch_distributed_launch_init
+
+
+def install():
+    """Idempotent: let ``torchrun ... fairseq-train --cpu --distributed-backend gloo`` work."""
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.models import distributed_fairseq_model
+
+    launch_init = distributed_utils._infer_torch_distributed_launch_init
+    if not getattr(launch_init, "__multipath_nmt_patched__", False):
+        distributed_utils._infer_torch_distributed_launch_init = _infer_launch_init_without_cuda(
+            launch_init)
+    distributed_fairseq_model.DistributedDataParallel = CpuAwareDistributedDataParallel
