@@ -137,6 +137,8 @@ class TopKRouter(nn.Module):
         gates, expert_index = probs.topk(k, dim=-1)
 
         routed_tokens = valid.sum()
+        # The capacity sets the expert buffer's shape, so it is a Python int: one host sync per
+        # routing call.
         capacity = expert_capacity(self.capacity_factor, k, int(routed_tokens), E)
 
         # Rank-major assignments (all first choices, then all second choices, ...) so that a
