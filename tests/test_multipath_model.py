@@ -1,0 +1,210 @@
+"""The multipath_transformer fairseq model: presets, flags, parameter counts, decoding, training."""
+import math
+import re
+
+import pytest
+import torch
+from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
+
+from fairseq import options
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+from multipath_nmt.cli.params import build_model, parameter_counts
+from multipath_nmt.models.multipath_transformer import PRESETS
+from multipath_nmt.modules.multipath import MultiPathDecoderLayer, MultiPathEncoderLayer
+
+PAPER_DICT_SIZE = 34880
+# Table 2 of Lin et al. (2022): parameters in millions.
+TABLE_2 = {
+    "transformer_prenorm_wmt_en_de": 62,
+    "multipath_transformer_wmt_en_de": 80,
+    "multipath_l6_p2_wmt_en_de": 80,
+    "multipath_l12_p2_wmt_en_de": 118,
+    "multipath_l6_p4_wmt_en_de": 118,
+    "multipath_l12_p3_wmt_en_de": 156,
+    "multipath_l6_p6_wmt_en_de": 156,
+    "multipath_l24_p2_wmt_en_de": 193,
+    "multipath_l12_p4_wmt_en_de": 193,
+    "multipath_l6_p8_wmt_en_de": 193,
+    "transformer_deep12_wmt_en_de": 80,
+    "transformer_deep24_wmt_en_de": 118,
+    "transformer_deep36_wmt_en_de": 156,
+    "transformer_deep48_wmt_en_de": 193,
+}
+PATH_FLAGS = ("--encoder-paths", "--decoder-paths", "--no-path-norm", "--path-weights",
+              "--cheap-features")
+
+
+def _tiny(arch="multipath_transformer", *flags):
+    return build_model(arch, 100, [*TINY_MODEL, *flags], device="cpu").eval()
+
+
+@pytest.mark.parametrize("arch", sorted(TABLE_2))
+def test_parameter_counts_within_1_5_percent_of_table_2(arch):
+    total = parameter_counts(build_model(arch, PAPER_DICT_SIZE))["total"]
+    assert abs(total / 1e6 - TABLE_2[arch]) / TABLE_2[arch] <= 0.015, total
+
+
+def test_base_model_has_the_papers_62m_parameters():
+    total = parameter_counts(build_model("transformer_prenorm_wmt_en_de", PAPER_DICT_SIZE))
+    assert round(total["total"] / 1e6) == 62
+
+
+def test_every_path_flag_has_help_in_fairseq_train_parser():
+    parser = options.get_training_parser()
+    options.parse_args_and_arch(parser, ["data", "--arch", "multipath_l6_p4_wmt_en_de"])
+    helps = {flag: action.help for action in parser._actions for flag in action.option_strings}
+    for flag in PATH_FLAGS:
+        assert helps.get(flag), flag
+    assert "1/sqrt(m) with PathNorm" in helps["--path-weights"]
+    assert "1/m without PathNorm" in helps["--path-weights"]
+
+
+@pytest.mark.parametrize("layers,paths", PRESETS)
+def test_presets_set_layers_paths_and_ours(layers, paths):
+    model = build_model(f"multipath_l{layers}_p{paths}_wmt_en_de", 100)
+    assert len(model.encoder.layers) == layers
+    assert len(model.decoder.layers) == 6
+    layer = model.encoder.layers[0]
+    assert isinstance(layer, MultiPathEncoderLayer)
+    assert layer.self_attn.num_paths == paths and layer.ffn.num_paths == paths
+    assert layer.self_attn.embed_dim == 512 and layer.ffn.ffn_dim == 2048
+    assert layer.self_attn.num_heads == 8
+    # "+ Ours": PathNorm and learnable weights, no cheap features.
+    assert layer.ffn_mixer.path_norm is not None and not layer.ffn_mixer.cheap_features
+    assert layer.ffn_mixer.path_weights.requires_grad
+    assert model.encoder.layer_norm is not None  # pre-norm: final encoder LayerNorm
+
+
+def test_command_line_overrides_preset_dimensions():
+    model = _tiny("multipath_l12_p4_wmt_en_de", "--encoder-paths", "3")
+    assert len(model.encoder.layers) == 2 and len(model.decoder.layers) == 1
+    layer = model.encoder.layers[0]
+    assert layer.self_attn.num_paths == 3 and layer.self_attn.embed_dim == 32
+    assert layer.ffn.ffn_dim == 64 and layer.self_attn.num_heads == 2
+
+
+@pytest.mark.parametrize("flags,norm,weights,features", [
+    (["--path-weights", "fixed", "--no-path-norm"], False, [1 / 4] * 4, 4),  # Multi-Path
+    (["--path-weights", "fixed"], True, [1 / 2] * 4, 4),  # + PathNorm
+    ([], True, None, 4),  # + Learnable Weights (Ours)
+    (["--no-path-norm"], False, None, 4),  # - PathNorm
+    (["--cheap-features"], True, None, 8),  # + More Features
+])
+def test_table_4_ablation_flags(flags, norm, weights, features):
+    model = _tiny("multipath_l6_p4_wmt_en_de", *flags)
+    for mixer in (model.encoder.layers[1].self_attn_mixer, model.encoder.layers[1].ffn_mixer):
+        assert (mixer.path_norm is not None) == norm
+        assert len(mixer.path_weights) == features
+        if weights is None:
+            assert mixer.path_weights.requires_grad and mixer.residual_weight.requires_grad
+            torch.testing.assert_close(mixer.path_weights,
+                                       torch.full((features,), 1 / math.sqrt(8)))
+        else:
+            assert not mixer.path_weights.requires_grad
+            assert mixer.path_weights.tolist() == weights
+        assert mixer.residual_weight.item() == 1.0
+
+
+def test_decoder_paths():
+    assert all(isinstance(layer, TransformerDecoderLayerBase)
+               for layer in _tiny().decoder.layers)
+    layer = _tiny("multipath_transformer", "--decoder-paths", "3").decoder.layers[0]
+    assert isinstance(layer, MultiPathDecoderLayer)
+    assert layer.encoder_attn.num_paths == 3 and layer.ffn.num_paths == 3
+
+
+def test_invalid_path_count_is_a_clear_error():
+    with pytest.raises(ValueError, match="--encoder-paths must be at least 1, got 0"):
+        _tiny("multipath_transformer", "--encoder-paths", "0")
+
+
+def test_incremental_decoding_with_beam_reordering_equals_full_forward():
+    model = _tiny("multipath_transformer", "--encoder-paths", "3", "--cheap-features",
+                  "--decoder-paths", "2")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    pad = model.encoder.padding_idx
+    src = torch.randint(4, 100, (2, 7))
+    src[1, :2] = pad  # fairseq left-pads sources
+    prev = torch.randint(4, 100, (2, 6))
+    prev[:, 0] = model.decoder.dictionary.eos()
+    new_order = torch.tensor([1, 0])
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=src.ne(pad).sum(1))
+        full = model.decoder(prev, encoder_out)[0]
+        full_swapped = model.decoder(prev[new_order], model.encoder.reorder_encoder_out(
+            encoder_out, new_order))[0]
+        state, steps = {}, []
+        for t in range(6):
+            if t == 3:  # a beam search step reorders hypotheses
+                model.decoder.reorder_incremental_state_scripting(state, new_order)
+                encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+                prev = prev[new_order]
+            steps.append(model.decoder(prev[:, :t + 1], encoder_out, incremental_state=state)[0])
+    torch.testing.assert_close(torch.cat(steps[:3], 1), full[:, :3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps[3:], 1), full_swapped[:, 3:], atol=1e-5,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["multipath_transformer_wmt_en_de"] + [
+    f"multipath_l{layers}_p{paths}_wmt_en_de" for layers, paths in PRESETS])
+def test_every_arch_trains_with_tiny_overrides(arch):
+    """One optimizer step of each preset (tiny dimensions from the command line) lowers the
+    loss on its batch and moves the path weights."""
+    model = _tiny(arch).train()
+    model.encoder.dropout_module.p = model.decoder.dropout_module.p = 0.0
+    src = torch.randint(4, 100, (3, 6))
+    prev = torch.randint(4, 100, (3, 5))
+    target = torch.randint(4, 100, (3, 5))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def loss():
+        logits = model(src, torch.full((3,), 6), prev)[0]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                 target.reshape(-1))
+
+    before = loss()
+    weights = model.encoder.layers[0].ffn_mixer.path_weights.detach().clone()
+    optimizer.zero_grad()
+    before.backward()
+    optimizer.step()
+    assert loss().item() < before.item()
+    assert not torch.equal(model.encoder.layers[0].ffn_mixer.path_weights, weights)
+
+
+def _train(data, save_dir, *flags, updates):
+    return run_fairseq("train", data, "--arch", "multipath_transformer", *TINY_MODEL,
+                       *TRAIN_FLAGS, "--save-dir", save_dir, "--max-update", str(updates),
+                       "--no-epoch-checkpoints", *flags)
+
+
+def _generate(data, checkpoint, *flags):
+    proc = run_fairseq("generate", data, "--path", checkpoint, "--beam", "2", "--cpu",
+                       "--max-tokens", "400", "--gen-subset", "test", *flags)
+    hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
+    assert len(hypotheses) == 40, proc.stdout[-2000:]
+    assert "Generate test with beam=2" in proc.stdout + proc.stderr
+    return hypotheses
+
+
+@pytest.mark.slow
+def test_train_resume_generate_with_paths_cheap_features_and_decoder_paths(toy_data_bin,
+                                                                          tmp_path):
+    flags = ["--encoder-paths", "3", "--cheap-features", "--decoder-paths", "2"]
+    _train(toy_data_bin, tmp_path, *flags, updates=3)
+    proc = _train(toy_data_bin, tmp_path, *flags, updates=5)
+    log = proc.stdout + proc.stderr
+    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt \(epoch 1 @ 3 updates\)", log)
+    assert "num_updates=5" in log and "num_updates=1," not in log
+    _generate(toy_data_bin, tmp_path / "checkpoint_last.pt")
+
+
+@pytest.mark.slow
+def test_memory_efficient_fp16_trains_and_decodes_on_cpu(toy_data_bin, tmp_path):
+    _train(toy_data_bin, tmp_path, "--encoder-paths", "2", "--decoder-paths", "2",
+           "--memory-efficient-fp16", updates=2)
+    checkpoint = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu",
+                            weights_only=False)
+    assert all(torch.isfinite(v.float()).all() for v in checkpoint["model"].values())
+    _generate(toy_data_bin, tmp_path / "checkpoint_last.pt", "--fp16")
