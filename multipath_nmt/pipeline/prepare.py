@@ -489,6 +489,8 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
     if raw_dir and not Path(raw_dir).is_dir():
         raise PrepareError(f"--raw-dir {raw_dir} is not a directory; give the folder holding the archives")
     pair, src, tgt = TASKS[task]
+    log(f"{task}: {src} -> {tgt}, sentence pairs (approximate): " +
+        ", ".join(f"{split} {pair.sizes[split]}" for split in SPLITS))
     out = Path(out or Path("data-bin") / task)
     work_dir = Path(work_dir) if work_dir else out.parent / f"{pair.name}.work"
     extract = work_dir / "extract"

@@ -46,7 +46,7 @@ class Pair:
     train: tuple
     valid: tuple
     test: EvalSet
-    sizes: dict = field(default_factory=dict)  # approximate sentence pairs, for the README
+    sizes: dict = field(default_factory=dict)  # approximate sentence pairs, printed when preparing
 
     @property
     def langs(self):
@@ -125,7 +125,7 @@ PAIRS = {p.name: p for p in (
                 Corpus("rapid2016", "rapid2016.de-en.{lang}")),
          valid=(_NEWSTEST2014_DEV["de"],) + _newstest17_dev("de", ("newstest2015", "newstest2016")),
          test=_newstest2017("de"),
-         sizes={"train": "5.9M", "valid": "8,171 (newstest2014-2016)", "test": "3,004 (newstest2017)"}),
+         sizes={"train": "5.9M", "valid": "about 8,000 (newstest2014-2016)", "test": "3,004 (newstest2017)"}),
     Pair("wmt17_en_fi", "fi",
          train=(Corpus("europarl_v8", "training/europarl-v8.fi-en.{lang}"),
                 Corpus("wiki_titles_wmt15", "wiki/fi-en/titles.fi-en", bitext_langs=("fi", "en")),
@@ -150,7 +150,7 @@ PAIRS = {p.name: p for p in (
                 Corpus("yandex_1m", "corpus.en_ru.1m.{lang}")),
          valid=(_NEWSTEST2014_DEV["ru"],) + _newstest17_dev("ru", ("newstest2015", "newstest2016")),
          test=_newstest2017("ru"),
-         sizes={"train": "2.6M (without the UN corpus)", "valid": "8,819 (newstest2014-2016)",
+         sizes={"train": "2.6M (without the UN corpus)", "valid": "about 8,600 (newstest2014-2016)",
                 "test": "3,001 (newstest2017)"}),
 )}
 
