@@ -2,8 +2,9 @@
 LayerNorms of the shared encoder drift, the paper's evidence that individual LayerNorms let one
 shared block compute different functions at different depths.
 
-For each LayerNorm position (before attention, before the MoE FFN) and each vector v in
-{gamma, beta}: divergence_i = sqrt(mean_d (v_i[d] - vbar[d])^2), the root-mean-square distance
+Implemented as (our reading of Eq. 9; its exact normalisation is unverified here): for each
+LayerNorm position (before attention, before the MoE FFN) and each vector v in {gamma, beta},
+divergence_i = sqrt(mean_d (v_i[d] - vbar[d])^2), the root-mean-square distance
 of layer i's vector from the mean vbar over the L layers. Shared LayerNorms give 0 everywhere.
 """
 import os
