@@ -1,0 +1,150 @@
+"""multipath-params and multipath-inspect."""
+import importlib.util
+import itertools
+
+import pytest
+import torch
+from conftest import TINY_MODEL
+from torch import nn
+
+import multipath_nmt.analysis.widenet as widenet
+from multipath_nmt.analysis.paths import path_diversity, path_weight_rows
+from multipath_nmt.cli import inspect as inspect_cli
+from multipath_nmt.cli import params as params_cli
+
+SMALL_DICT = 1000
+
+
+def test_plugin_architectures_are_ours_only():
+    archs = params_cli.plugin_architectures()
+    assert {"multipath_transformer_wmt_en_de", "multipath_l6_p8_wmt_en_de",
+            "transformer_prenorm_wmt_en_de", "transformer_deep48_wmt_en_de",
+            "transformer_wide_wmt_en_de"} <= set(archs)
+    assert "transformer" not in archs and "transformer_wmt_en_de" not in archs
+
+
+def test_active_parameters_subtract_inactive_parameter_count():
+    class TopOneOfFour(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.Parameter(torch.zeros(4, 10))
+
+        def inactive_parameter_count(self):
+            return 30
+
+    model = nn.Sequential(nn.Linear(3, 5), TopOneOfFour())
+    assert params_cli.parameter_counts(model) == {"total": 20 + 40, "active": 20 + 10}
+
+
+def test_params_table_counts_and_flops(capsys):
+    archs = ["transformer_prenorm_wmt_en_de", "transformer_deep12_wmt_en_de",
+             "multipath_l6_p2_wmt_en_de"]
+    params_cli.cli_main(["--dict-size", str(SMALL_DICT), *itertools.chain.from_iterable(
+        ("--arch", arch) for arch in archs)])
+    table = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
+            for line in table.splitlines() if line.startswith("| ") and "_wmt_en_de" in line}
+    assert list(rows) == archs
+    base = params_cli.parameter_counts(params_cli.build_model(archs[0], SMALL_DICT))["total"]
+    assert rows[archs[0]] == [f"{base / 1e6:.2f}", "=", rows[archs[0]][2]]
+    # One more encoder layer's worth of weights per extra path or layer: the deep and the
+    # multi-path encoder have the same size and the same matmuls, so the same FLOPs.
+    deep, multipath = (float(rows[a][2]) for a in archs[1:])
+    assert float(rows[archs[1]][0]) == pytest.approx(float(rows[archs[2]][0]), rel=1e-3)
+    assert multipath == pytest.approx(deep, rel=0.01)
+    assert multipath > 1.2 * float(rows[archs[0]][2])
+
+
+def test_flops_are_measured_per_target_token():
+    model = params_cli.build_model("multipath_transformer", 100, TINY_MODEL, device="cpu")
+    flops_10 = params_cli.forward_flops_per_token(model, length=10)
+    flops_20 = params_cli.forward_flops_per_token(model, length=20)
+    # Projections cost the same per token; only attention grows with the length.
+    assert flops_10 < flops_20 < 1.5 * flops_10
+    # The output projection alone is 2 * d * |V| per target token.
+    assert flops_10 > 2 * 32 * 100
+
+
+def test_params_unknown_arch_is_a_clear_error():
+    with pytest.raises(SystemExit, match="unknown architecture.*no_such_arch"):
+        params_cli.cli_main(["--arch", "no_such_arch", "--dict-size", str(SMALL_DICT)])
+
+
+def test_path_diversity():
+    assert path_diversity([0.3, 0.1]) == pytest.approx(0.5)
+    assert path_diversity([0.2, 0.2, 0.6]) == pytest.approx((0 + 0.5 + 0.5) / 3)
+    assert path_diversity([0.4]) != path_diversity([0.4])  # NaN: undefined for one path
+
+
+def _checkpoint(tmp_path, *flags):
+    model = params_cli.build_model("multipath_l6_p4_wmt_en_de", 100, [*TINY_MODEL, *flags],
+                                   device="cpu")
+    mixer = model.encoder.layers[1].ffn_mixer
+    with torch.no_grad():
+        mixer.path_weights[:4] = torch.tensor([0.3, 0.1, 0.2, 0.2])
+        mixer.residual_weight.fill_(0.9)
+    path = tmp_path / "checkpoint_best.pt"
+    torch.save({"model": model.state_dict(), "cfg": None, "args": None,
+                "optimizer_history": [{"criterion_name": "LabelSmoothedCrossEntropyCriterion",
+                                       "optimizer_name": "Adam", "num_updates": 10,
+                                       "lr_scheduler_state": {"best": None}}],
+                "extra_state": {"train_iterator": {"epoch": 1}}}, path)
+    return path
+
+
+def test_inspect_reports_alphas_beta_and_diversity(tmp_path, capsys):
+    path = _checkpoint(tmp_path, "--cheap-features", "--decoder-paths", "2")
+    state_dict = torch.load(path, weights_only=False)["model"]
+    rows = path_weight_rows(state_dict)
+    # 2 encoder layers x 2 sublayers, 1 decoder layer x 3 sublayers.
+    assert [(r["stack"], r["layer"], r["sublayer"]) for r in rows] == [
+        ("encoder", 0, "self_attn"), ("encoder", 0, "ffn"), ("encoder", 1, "self_attn"),
+        ("encoder", 1, "ffn"), ("decoder", 0, "self_attn"), ("decoder", 0, "encoder_attn"),
+        ("decoder", 0, "ffn")]
+    row = rows[3]
+    assert row["num_paths"] == 4 and len(row["alphas"]) == 8  # 4 raw + 4 cheap features
+    assert row["beta"] == pytest.approx(0.9)
+    # Mean over the 6 pairs of raw paths: |.3-.1|/.4, |.3-.2|/.5 (x2), |.1-.2|/.3 (x2), 0.
+    assert row["diversity"] == pytest.approx((0.5 + 0.2 * 2 + 1 / 3 * 2 + 0) / 6)
+    assert rows[0]["diversity"] == pytest.approx(0.0)  # untrained: equal weights
+    assert rows[4]["num_paths"] == 2
+
+    plot = tmp_path / "diversity.png"
+    inspect_cli.cli_main([str(path), "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert "| encoder | 2 | ffn | 4 | 0.3000, 0.1000, 0.2000, 0.2000, 0.3536" in out
+    assert f"| 0.9000 | {row['diversity']:.4f} |" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_best.pt",
+                                                          "diversity.png"]
+
+
+def test_inspect_prints_widenet_rows_when_available(tmp_path, capsys, monkeypatch):
+    path = _checkpoint(tmp_path)
+    monkeypatch.setattr(widenet, "layernorm_divergence",
+                        lambda state_dict: [{"stack": "encoder", "layer": 0,
+                                             "attention_gamma": 0.125}])
+    inspect_cli.cli_main([str(path)])
+    out = capsys.readouterr().out
+    assert "WideNet per-layer LayerNorm divergence" in out
+    assert "| encoder | 0 | 0.1250 |" in out
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.endswith(
+        ".widenet") else real_find_spec(name, *a))
+    inspect_cli.cli_main([str(path)])
+    assert "WideNet" not in capsys.readouterr().out
+
+
+def test_inspect_errors(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint file .*missing.pt"):
+        inspect_cli.cli_main([str(tmp_path / "missing.pt")])
+    model = params_cli.build_model("transformer_prenorm_wmt_en_de", 100, TINY_MODEL,
+                                   device="cpu")
+    path = tmp_path / "plain.pt"
+    torch.save({"model": model.state_dict(), "cfg": None, "args": None,
+                "optimizer_history": [{"criterion_name": "c", "optimizer_name": "Adam",
+                                       "num_updates": 0, "lr_scheduler_state": {}}],
+                "extra_state": {"train_iterator": {"epoch": 1}}}, path)
+    with pytest.raises(SystemExit, match="no multi-path sublayers"):
+        inspect_cli.cli_main([str(path)])
