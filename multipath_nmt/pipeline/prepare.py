@@ -268,7 +268,7 @@ def map_file(src, dst, func, init, init_args, workers, label):
 
 # ------------------------------------------------------------------------ the common stages
 
-def process_text(raw_dir, work_dir, out, langs, src, tgt, bpe_merges, workers, raw_params):
+def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, raw_params):
     """raw/ -> tok/ -> bpe/ -> clean/ -> OUT (binarized for the direction src -> tgt)."""
     work_dir = Path(work_dir)
     tok_params = {"stage": "tok", "langs": langs, "raw": raw_params}
@@ -276,7 +276,7 @@ def process_text(raw_dir, work_dir, out, langs, src, tgt, bpe_merges, workers, r
     def tokenize(tmp):
         for split in SPLITS:
             for lang in langs:
-                map_file(raw_dir / f"{split}.{lang}", tmp / f"{split}.{lang}", _tokenize_chunk,
+                map_file(raw_text / f"{split}.{lang}", tmp / f"{split}.{lang}", _tokenize_chunk,
                          _init_tokenizer, (lang,), workers, f"tokenize {split}.{lang}")
 
     tok = run_stage(work_dir / "tok", "tokenize", tok_params, tokenize)
