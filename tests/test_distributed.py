@@ -1,61 +1,63 @@
 """fairseq's own distributed path (torch DDP, ``torchrun``, gloo on CPU) matches one process.
 
 fairseq shards each epoch's batches round-robin over ranks (rank r takes batches r, r+W, ...),
-and ``--update-freq W`` on one process groups the same consecutive batches into one update; DDP
+and ``--update-freq W`` on one process groups the same consecutive batches into one update. DDP
 averages the gradients and fairseq rescales by W / total sample size, which is what gradient
-accumulation computes. So W ranks and one process with ``--update-freq W`` make the same updates,
-up to float summation order.
+accumulation computes. With W = 2 this is even bit-exact: g0/2 + g1/2 rescaled by 2/S equals
+(g0 + g1)/S in binary floating point (halving and doubling are exact), so we assert equality.
+Both runs go through tests/helpers/train_and_dump_ranks.py, which seeds every batch by its global
+position (see there) so that randomised layers draw the same numbers in both set-ups.
 """
 import pytest
 import torch
 
-from helpers.training import (MODELS, SMALL_BATCHES, assert_same_tensors, load_model_state, run,
-                              torchrun_command, train_command)
+from helpers.training import (SMALL_BATCHES, assert_same_tensors, comparable_command,
+                              load_model_state, run, run_until_killed)
 
 pytestmark = pytest.mark.slow
 
-UPDATES = 4
-# No dropout, so both runs draw no random numbers in the layers fairseq seeds per update.
-COMPARABLE = [*SMALL_BATCHES, "--dropout", "0", "--max-update", UPDATES, "--no-epoch-checkpoints",
-              "--save-interval-updates", UPDATES]
+TORCHRUN_TIMEOUT = 300
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_two_ranks_match_one_process_with_update_freq_two(model, toy_data_bin, tmp_path):
-    output = run(torchrun_command(toy_data_bin, tmp_path / "ddp", model, *COMPARABLE), timeout=240)
-    assert "distributed init (rank 0)" in output and "initialized host" in output
-
-    rank0 = torch.load(tmp_path / "ddp" / f"rank0-update{UPDATES}.pt")
-    rank1 = torch.load(tmp_path / "ddp" / f"rank1-update{UPDATES}.pt")
-    assert_same_tensors(rank1, rank0)  # every rank holds the same model after each update
-
-    run(train_command(toy_data_bin, tmp_path / "single", model, *COMPARABLE, "--update-freq", 2))
-    expected, expected_updates = load_model_state(tmp_path / "single" / "checkpoint_last.pt")
-    actual, actual_updates = load_model_state(tmp_path / "ddp" / "checkpoint_last.pt")
-    assert actual_updates == expected_updates == UPDATES
-    assert_same_tensors(actual, expected)
-
-
-RESUME_MODEL = "baseline"
-
-
-def test_two_rank_run_resumes_from_checkpoint_last(toy_data_bin, tmp_path):
-    """Rank 0 loads checkpoint_last.pt and broadcasts it (an OmegaConf config inside): works on
-    today's torch, and the resumed ranks continue exactly where one process would have been."""
-    flags = [*SMALL_BATCHES, "--dropout", "0", "--no-epoch-checkpoints"]
-    run(torchrun_command(toy_data_bin, tmp_path / "ddp", RESUME_MODEL, *flags,
-                         "--max-update", UPDATES), timeout=240)
-    resumed = run(torchrun_command(toy_data_bin, tmp_path / "ddp", RESUME_MODEL, *flags,
-                                   "--max-update", 2 * UPDATES), timeout=240)
-    assert f"Loaded checkpoint {tmp_path / 'ddp' / 'checkpoint_last.pt'} (epoch 1 @ {UPDATES} updates)" in resumed
-
-    rank0 = torch.load(tmp_path / "ddp" / f"rank0-update{2 * UPDATES}.pt")
-    rank1 = torch.load(tmp_path / "ddp" / f"rank1-update{2 * UPDATES}.pt")
+def assert_ranks_identical(save_dir, update):
+    rank0 = torch.load(save_dir / f"rank0-update{update}.pt")
+    rank1 = torch.load(save_dir / f"rank1-update{update}.pt")
     assert_same_tensors(rank1, rank0)
 
-    run(train_command(toy_data_bin, tmp_path / "single", RESUME_MODEL, *flags,
-                      "--max-update", 2 * UPDATES, "--update-freq", 2))
-    expected, _ = load_model_state(tmp_path / "single" / "checkpoint_last.pt")
-    actual, actual_updates = load_model_state(tmp_path / "ddp" / "checkpoint_last.pt")
-    assert actual_updates == 2 * UPDATES
+
+def assert_same_final_model(ddp_dir, single_dir, updates):
+    expected, expected_updates = load_model_state(single_dir / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(ddp_dir / "checkpoint_last.pt")
+    assert actual_updates == expected_updates == updates
     assert_same_tensors(actual, expected)
+
+
+@pytest.mark.parametrize("model", ["multipath", "widenet"])
+def test_two_ranks_match_one_process_with_update_freq_two(model, toy_data_bin, tmp_path):
+    """WideNet uses its shared attention and MoE twice per step: DDP must sum both uses."""
+    flags = [*SMALL_BATCHES, "--max-update", 4, "--save-interval-updates", 4,
+             "--no-epoch-checkpoints"]
+    output = run(comparable_command(toy_data_bin, tmp_path / "ddp", model, *flags, ranks=2),
+                 timeout=TORCHRUN_TIMEOUT)
+    assert "distributed init (rank 0)" in output
+    assert_ranks_identical(tmp_path / "ddp", 4)
+
+    run(comparable_command(toy_data_bin, tmp_path / "single", model, *flags, "--update-freq", 2))
+    assert_same_final_model(tmp_path / "ddp", tmp_path / "single", 4)
+
+
+def test_killed_two_rank_ewa_run_resumes_like_one_process(toy_data_bin, tmp_path):
+    """SIGKILL a 2-rank EWA run, start it again: rank 0 loads checkpoint_last.pt and broadcasts
+    it (an OmegaConf config inside, through the plug-in's allow-list), both ranks continue the
+    EWA schedule from the restored update count and stay identical, and the result equals one
+    process with --update-freq 2 that was never interrupted."""
+    flags = [*SMALL_BATCHES, "--max-update", 10, "--save-interval-updates", 4,
+             "--no-epoch-checkpoints"]
+    command = comparable_command(toy_data_bin, tmp_path / "ddp", "ewa", *flags, ranks=2)
+    _, saved_at = run_until_killed(command, kill_at_update=5, timeout=TORCHRUN_TIMEOUT)
+    resumed = run(command, timeout=TORCHRUN_TIMEOUT)
+    assert f"(epoch 1 @ {saved_at} updates)" in resumed and "Loaded checkpoint" in resumed
+    assert_ranks_identical(tmp_path / "ddp", 10)
+
+    run(comparable_command(toy_data_bin, tmp_path / "single", "ewa", *flags, "--update-freq", 2))
+    assert_same_final_model(tmp_path / "ddp", tmp_path / "single", 10)

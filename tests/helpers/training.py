@@ -24,6 +24,15 @@ CHECKPOINT_SAVED = re.compile(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates
 # TRAIN_FLAGS (argparse keeps the last value).
 MODELS = {
     "baseline": ["--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL],
+    "multipath": ["--arch", "multipath_transformer_wmt_en_de", *TINY_MODEL],
+    # One attention and one routed MoE FFN shared by both encoder layers: each shared parameter
+    # is used twice per step; router noise draws random numbers.
+    "widenet": ["--arch", "widenet_transformer_wmt_en_de", *TINY_MODEL,
+                "--criterion", "label_smoothed_cross_entropy_with_moe"],
+    # EWA: random token groups, and an averaging after each step whose share rate rises with the
+    # update count (linear schedule over --max-update).
+    "ewa": ["--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL, "--ewa-share-rate", "0.5",
+            "--ewa-schedule", "linear"],
 }
 
 # About 40 batches per epoch of the toy corpus, so short runs stay inside the first epoch.
@@ -40,25 +49,57 @@ def _fail(cmd, returncode, output):
 
 
 def run(cmd, timeout=180, env=None):
-    """Run to completion; fail the test with the output on a non-zero exit. Returns the output."""
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env or clean_env(), timeout=timeout)
+    """Run to completion; fail the test with the output on a non-zero exit or a timeout (which
+    kills the whole process tree, torchrun workers included). Returns the output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or clean_env())
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        _fail(cmd, f"nothing: killed after a {timeout} s timeout", output)
     if proc.returncode != 0:
-        _fail(cmd, proc.returncode, proc.stdout)
-    return proc.stdout
+        _fail(cmd, proc.returncode, output)
+    return output
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:  # already gone
+        return []
+
+
+def kill_tree(pid):
+    """SIGKILL a process and all its descendants at once, like a crashing machine.
+
+    torchrun starts its workers in their own sessions, so killing the agent (or its process
+    group) would leave the workers training on."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(_children(tree[-1]))
+    for member in reversed(tree):  # workers before the agent, so none is restarted
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_until_killed(cmd, kill_at_update, timeout=180):
-    """Start ``cmd`` and SIGKILL it as soon as it logs update ``kill_at_update`` after a save.
+    """Start ``cmd`` and SIGKILL it (with any workers) as soon as it logs update
+    ``kill_at_update`` after a checkpoint save.
 
     Returns (output, update of the last checkpoint saved before the kill). Killing on a log line
     makes the moment deterministic up to the few updates the child may run before the signal lands.
     """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=clean_env())
-    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog = threading.Timer(timeout, kill_tree, (proc.pid,))
     watchdog.start()
-    lines, last_saved = [], None
+    lines, last_saved, killed = [], None, False
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -67,7 +108,8 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
                 last_saved = int(saved.group(1))
             logged = UPDATE_LOGGED.search(line)
             if last_saved is not None and logged and int(logged.group(1)) >= kill_at_update:
-                os.kill(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
+                killed = True
                 break
         proc.stdout.read()  # drain what was written before the kill landed
         proc.wait()
@@ -75,7 +117,7 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
         watchdog.cancel()
         proc.stdout.close()
     output = "".join(lines)
-    if proc.returncode != -signal.SIGKILL or last_saved is None:
+    if not killed or proc.returncode != -signal.SIGKILL:
         _fail(cmd, proc.returncode, output + "\n(expected to be killed after a checkpoint save)")
     return output, last_saved
 
@@ -83,12 +125,15 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
 DUMP_RANKS = Path(__file__).with_name("train_and_dump_ranks.py")
 
 
-def torchrun_command(data, save_dir, model, *extra, ranks=2):
-    """``fairseq-train`` under ``torchrun`` on CPU: gloo over loopback, every rank dumping its state."""
+def comparable_command(data, save_dir, model, *extra, ranks=1):
+    """``fairseq-train`` through ``train_and_dump_ranks.py`` (per-batch seeds, per-rank states);
+    with ranks > 1 under ``torchrun`` on CPU: gloo over loopback."""
+    args = [str(DUMP_RANKS), *train_command(data, save_dir, model, *extra)[3:]]
+    if ranks == 1:
+        return [sys.executable, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
             "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), str(DUMP_RANKS),
-            *train_command(data, save_dir, model, *extra)[3:],
+            "--master_port", str(free_port()), *args,
             "--distributed-world-size", str(ranks), "--distributed-backend", "gloo"]
 
 
