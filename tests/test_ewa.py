@@ -248,3 +248,34 @@ def test_early_ewa_averages_a_routed_moe_until_the_stop_point(toy_data_bin, tmp_
     assert "encoder.layers.1.ffn.router.weight" in last["model"]  # a learned top-1 router
     assert _collapsed(at_2["model"]["encoder.layers.1.ffn.fc1_weight"])  # averaged until 2 = 0.5*4
     assert not _collapsed(last["model"]["encoder.layers.1.ffn.fc1_weight"])  # then a plain MoE
+
+
+def test_ewa_inactive_parameters_are_all_but_one_expert():
+    ffn = _ffn(num_experts=4, embed=6, hidden=10)
+    assert ffn.inactive_parameter_count() == 3 * (10 * 6 + 10 + 6 * 10 + 6)
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(toy_data_bin, tmp_path):
+    """The partition reseeds with fairseq's per-update seed and the schedule depends only on the
+    restored update count; loading a checkpoint must not run an extra averaging."""
+    import shutil
+
+    from fairseq import checkpoint_utils
+
+    def train(save_dir):
+        return run_fairseq("train", toy_data_bin, "--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL,
+                    *TRAIN_FLAGS, "--ewa-share-rate", "0.5", "--max-update", "4",
+                    "--save-interval-updates", "2", "--save-dir", save_dir,
+                    "--no-epoch-checkpoints")
+
+    train(tmp_path / "straight")
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(tmp_path / "straight" / "checkpoint_1_2.pt",
+                tmp_path / "resumed" / "checkpoint_last.pt")
+    log = train(tmp_path / "resumed")
+    assert "(epoch 1 @ 2 updates)" in log.stdout + log.stderr  # really resumed mid-epoch
+    straight, resumed = (checkpoint_utils.load_checkpoint_to_cpu(
+        str(tmp_path / run / "checkpoint_last.pt"))["model"] for run in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -42,7 +42,11 @@ def masked_mean(x, padding_mask):
 
 class DynamicLinear(nn.Module):
     """y = x W'^T + b' with (W', b') = sum_i alpha_i (W_i, b_i), alpha = softmax(MLP(mean-pool(x)))
-    per sentence (ParameterNet Eq. 4; the MLP is DynamicConv's pool -> FC -> ReLU -> FC)."""
+    per sentence (ParameterNet Eq. 4; the MLP is DynamicConv's pool -> FC -> ReLU -> FC).
+
+    All M matrices form every sentence's W' and get gradient from every token, so none of them
+    is inactive (no ``inactive_parameter_count``): the saving is in FLOPs, not in parameters.
+    """
 
     def __init__(self, in_features, out_features, num_experts, reduction=4):
         super().__init__()
@@ -146,9 +150,3 @@ class ParameterNetFeedForward(nn.Module):
         if kept is not None:
             out = out * kept.unsqueeze(-1).to(out.dtype)
         return out
-
-    def inactive_parameter_count(self):
-        # routed: a token uses 1 of M matrices; dynamic: every matrix forms each sentence's W' and
-        # gets gradient from every token, so all count as active (the saving is in FLOPs only)
-        return sum(layer.inactive_parameter_count() for layer in (self.fc1, self.fc2)
-                   if isinstance(layer, RoutedLinear))
