@@ -1,6 +1,7 @@
 """multipath-average: exact float64 mean of real fairseq checkpoints, fairseq's file selection,
 atomic output that fairseq-generate loads, and clear refusals."""
 import collections
+import io
 import sys
 
 import pytest
@@ -10,6 +11,8 @@ from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, clean_env, run_cli, run_fair
 
 from multipath_nmt import averaging
 from multipath_nmt.cli.average import average, get_parser
+from multipath_nmt.cli.score import get_parser as get_score_parser, score
+from multipath_nmt.scoring import multi_bleu_files
 from fairseq import checkpoint_utils
 
 pytestmark = pytest.mark.slow  # every test here uses a real fairseq-train run
@@ -85,6 +88,10 @@ def test_average_sh_and_generate_load_the_result(run_dir, toy_data_bin, tmp_path
     by_id = {int(line.split("\t")[0][2:]): line.split("\t")[1] for line in generate.splitlines()
              if line.startswith("T-")}
     assert refs == [by_id[i] for i in range(40)]
+    # ... and the scorer reads the same generate output (sorted by id) into the same files.
+    stats = score(get_score_parser().parse_args(["--generate-output", str(prefix.parent / "test.generate")]),
+                  out=io.StringIO())
+    assert stats == multi_bleu_files(prefix.parent / "test.hyp", prefix.parent / "test.ref")
 
 
 def _edited_copy(run_dir, tmp_path, edit):

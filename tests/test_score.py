@@ -157,6 +157,8 @@ def test_generate_output_sorted_by_id_and_scored(tmp_path):
     out = io.StringIO()
     stats = score(get_parser().parse_args(["--generate-output", str(gen), "--compound-split"]), out=out)
     assert stats.hyp_len == 12 and stats.ref_len == 16  # 4 words per line after ##AT## splitting
+    gen.write_text(_generate_output([1, 0]).replace("D-1\t-0.5\tword1 rich-text", "D-1\t-0.5\tdetok"))
+    assert scoring.read_generate_output(gen, hyp_field="D")[0] == ["word0 rich-text", "detok"]
 
 
 @pytest.mark.parametrize("content,message", [
@@ -194,9 +196,8 @@ def test_console_script_errors(tmp_path):
     assert proc.returncode != 0 and proc.stdout == ""
     assert "nope: reference file not found" in proc.stderr
     hyp, ref = _write(tmp_path, b"a b c d\n", [b"a b c d\n"])
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.score", "--sys", tmp_path / "nope",
-                    "--ref", ref], check=False)
-    assert proc.returncode != 0 and "nope: no such file" in proc.stderr
+    with pytest.raises(scoring.ScoringError, match="nope: no such file"):
+        _ours(tmp_path / "nope", ref)
     proc = run_cli(["bash", ROOT / "scripts" / "score.sh", "--sys", hyp, "--ref", ref],
                    env=clean_env(PYTHON=sys.executable))
     assert proc.stdout.splitlines()[0] == \
