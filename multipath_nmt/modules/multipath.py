@@ -1,4 +1,4 @@
-"""Multi-Path Transformer layers (Lin et al., 2022, "The Multi-Path Transformer is Better"), batched.
+"""Multi-Path Transformer layers (Lin et al., 2022), batched over paths.
 
 Every sublayer computes Y = beta * X + sum_f alpha_f * PathNorm_f(H_f), where H_1..H_n are the
 outputs of n independent paths F_i(LN(X)) (attentions or FFNs) and, with cheap features, H_{n+j}
@@ -41,7 +41,7 @@ def fixed_path_weight(num_features: int, path_norm: bool) -> float:
 
 
 class PathNorm(nn.Module):
-    """PathNorm (Lin et al., 2022, Sec. 3.2): a LayerNorm at the end of each path, LN_f(H_f), with
+    """PathNorm (Lin et al., 2022): a LayerNorm at the end of each path, LN_f(H_f), with
     its own affine per path. Input is path-major, [F, ..., d]; statistics are computed in fp32 so
     half-precision inputs with large activations do not overflow."""
 
