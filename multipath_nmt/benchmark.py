@@ -1,0 +1,519 @@
+"""The benchmark harness behind ``multipath-bench``.
+
+Every system is a fairseq model built through fairseq's own registry and trained through fairseq's
+own ``Trainer`` (forward + backward + optimizer step, exactly what ``fairseq-train`` runs) on the
+same synthetic batches. Systems are measured round-robin, so drifts of a noisy machine hit all of
+them alike; figures are medians over repeats with their min-max spread.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# Shared by every system of one size: the decoder is the same everywhere, so differences come
+# from the encoders the papers compare.
+SIZES = {
+    "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, batch=8, length=12, base_layers=2,
+                 repeats=2, steps=1, beam_sentences=4),
+    "default": dict(dim=256, ffn=1024, heads=4, vocab=8000, batch=32, length=32, base_layers=6,
+                    repeats=5, steps=2, beam_sentences=32),
+}
+
+
+@dataclass
+class System:
+    name: str
+    arch: str
+    flags: list = field(default_factory=list)  # fairseq-train flags on top of the shared size
+    criterion: str = "label_smoothed_cross_entropy"
+    compare_to: str = ""  # the system whose throughput this one is judged against
+    group: str = ""
+
+
+def systems_for(size):
+    """The side-by-side line-up; layer counts are relative to the base depth L of the size."""
+    L = size["base_layers"]
+    ffn = size["ffn"]
+    mp = "multipath_transformer"
+    moe_criterion = "label_smoothed_cross_entropy_with_moe"
+    return [
+        System("stock prenorm L", "transformer_prenorm_wmt_en_de", [f"--encoder-layers={L}"],
+               group="baselines"),
+        System("stock deep 4L", "transformer_prenorm_wmt_en_de", [f"--encoder-layers={4 * L}"],
+               group="baselines"),
+        System("multi-path L x 4 (full)", mp,
+               [f"--encoder-layers={L}", "--encoder-paths=4"], compare_to="stock deep 4L",
+               group="multi-path"),
+        System("multi-path L x 4 (+cheap features)", mp,
+               [f"--encoder-layers={L}", "--encoder-paths=4", "--cheap-features"],
+               compare_to="multi-path L x 4 (plain)", group="multi-path"),
+        System("multi-path L x 4 (plain)", mp,
+               [f"--encoder-layers={L}", "--encoder-paths=4", "--no-path-norm",
+                "--path-weights=fixed"], compare_to="stock deep 4L", group="multi-path"),
+        System("multi-path 2L x 2 (full)", mp,
+               [f"--encoder-layers={2 * L}", "--encoder-paths=2"], compare_to="stock deep 4L",
+               group="multi-path"),
+        System("WideNet (shared attn + MoE E4 k2)", "widenet_transformer_wmt_en_de",
+               [f"--encoder-layers={L}"], criterion=moe_criterion,
+               compare_to="dense, FFN x2 (WideNet's active FLOPs)", group="MoE"),
+        System("dense, FFN x2 (WideNet's active FLOPs)", "transformer_prenorm_wmt_en_de",
+               [f"--encoder-layers={L}", f"--encoder-ffn-embed-dim={2 * ffn}"], group="MoE"),
+        System("EWA (E4, every-2)", "ewa_transformer_wmt_en_de", [f"--encoder-layers={L}"],
+               criterion=moe_criterion, compare_to="stock prenorm L", group="MoE"),
+        System("ParameterNet (routed, both)", "parameternet_transformer_wmt_en_de",
+               [f"--encoder-layers={L}", "--parameternet-proj=both"], criterion=moe_criterion,
+               compare_to="stock prenorm L", group="MoE"),
+    ]
+
+
+def fairseq_flags(size, system):
+    return [
+        "--arch", system.arch, "--share-all-embeddings",
+        f"--encoder-embed-dim={size['dim']}", f"--decoder-embed-dim={size['dim']}",
+        f"--encoder-ffn-embed-dim={size['ffn']}", f"--decoder-ffn-embed-dim={size['ffn']}",
+        f"--encoder-attention-heads={size['heads']}", f"--decoder-attention-heads={size['heads']}",
+        "--decoder-layers=1", "--dropout=0.1",
+        "--optimizer=adam", "--adam-betas=(0.9, 0.997)", "--lr=0.001",
+        "--lr-scheduler=inverse_sqrt", "--warmup-updates=100",
+        f"--criterion={system.criterion}", "--label-smoothing=0.1",
+        "--max-tokens=100000", "--max-update=100000", "--seed=1", "--no-progress-bar",
+        *system.flags,
+    ]
+
+
+@contextlib.contextmanager
+def fake_data_dir(vocab):
+    """fairseq's translation task reads its dictionaries from the data dir; nothing else."""
+    with tempfile.TemporaryDirectory(prefix="multipath-bench-") as folder:
+        for lang in ("src", "tgt"):
+            with open(os.path.join(folder, f"dict.{lang}.txt"), "w") as f:
+                for i in range(vocab - 4):  # + bos, pad, eos, unk
+                    f.write(f"w{i} 1\n")
+        yield folder
+
+
+def build_trainer(data_dir, flags, device, fp16):
+    """fairseq's own parser, task, model, criterion and Trainer, as fairseq-train builds them."""
+    import multipath_nmt  # noqa: F401  (registers archs)
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    extra = ["--cpu"] if device == "cpu" else []
+    if fp16:
+        extra.append("--fp16")
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [data_dir, "-s", "src", "-t", "tgt", *flags, *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    return Trainer(cfg, task, model, criterion), task
+
+
+def synthetic_batch(size, vocab, seed=0):
+    """Full-length sentences of random in-vocabulary tokens (no padding, so every system sees
+    exactly the same number of real tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = size["batch"], size["length"]
+    low = 4  # after bos, pad, eos, unk
+    src = torch.randint(low, vocab, (B, T), generator=gen)
+    tgt = torch.randint(low, vocab, (B, T), generator=gen)
+    src[:, -1] = 2
+    tgt[:, -1] = 2
+    prev = torch.cat([torch.full((B, 1), 2), tgt[:, :-1]], dim=1)
+    return {
+        "id": torch.arange(B),
+        "nsentences": B,
+        "ntokens": B * T,
+        "net_input": {"src_tokens": src, "src_lengths": torch.full((B,), T),
+                      "prev_output_tokens": prev},
+        "target": tgt,
+    }
+
+
+def training_flops_per_token(trainer, sample):
+    """Model FLOPs of one forward + backward, measured (not estimated) with torch's counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, criterion = trainer.model, trainer.criterion
+    sample = trainer._prepare_sample(sample)[0]
+    model.train()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    for module in model.modules():  # forget routing statistics of this extra pass
+        if hasattr(module, "pop_routing_stats"):
+            module.pop_routing_stats()
+    return counter.get_total_flops() / sample["ntokens"]
+
+
+def matmul_peak_flops(device, dtype, n=1024, repeats=10):
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_train_steps(trainer, sample, steps, device):
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step([sample])
+    _sync(device)
+    return sample["ntokens"] * steps / (time.perf_counter() - start)
+
+
+def beam_search_speed(trainer, task, size, device, repeats):
+    """Sentences/s of fairseq's SequenceGenerator, beam 4, forced to the same output length."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model = trainer.model
+    model.eval()
+    n = size["beam_sentences"]
+    sample = synthetic_batch(dict(size, batch=n), len(task.source_dictionary), seed=1)
+    sample = trainer._prepare_sample(sample)[0]
+    length = size["length"]
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=4,
+                                  max_len_a=0, max_len_b=length, min_len=length)
+    rates = []
+    with torch.no_grad():
+        generator.generate([model], sample)  # warm-up
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            generator.generate([model], sample)
+            _sync(device)
+            rates.append(n / (time.perf_counter() - start))
+    model.train()
+    return rates
+
+
+def peak_memory_of_step(flags, size, device, fp16):
+    """Peak memory of one training step, measured in a fresh process (CPU: peak RSS, reset via
+    /proc/self/clear_refs right before the step; CUDA: max_memory_allocated)."""
+    cmd = [sys.executable, "-m", "multipath_nmt.benchmark", "--memory-probe",
+           json.dumps({"flags": flags, "size": size, "device": device, "fp16": fp16})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory probe failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def _memory_probe(spec):
+    size, device = spec["size"], spec["device"]
+    with fake_data_dir(size["vocab"]) as data:
+        trainer, task = build_trainer(data, spec["flags"], device, spec["fp16"])
+        sample = synthetic_batch(size, len(task.source_dictionary))
+        trainer.train_step([sample])  # allocate optimizer state and caches
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        trainer.train_step([sample])
+        if device == "cuda":
+            peak = torch.cuda.max_memory_allocated() / 2 ** 20
+        else:
+            with open("/proc/self/status") as f:
+                hwm = next(line for line in f if line.startswith("VmHWM:"))
+            peak = int(hwm.split()[1]) / 1024
+    print(json.dumps({"peak_mib": peak}))
+
+
+def _time_fwd_bwd(fn, x, device):
+    """Seconds for one forward + backward of ``fn(x).sum()``."""
+    _sync(device)
+    start = time.perf_counter()
+    fn(x).float().sum().backward()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _round_robin(fns, x, device, repeats, steps):
+    """Median seconds per fwd+bwd of every function, measured round-robin."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
+        _time_fwd_bwd(fn, x, device)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(sum(_time_fwd_bwd(fn, x, device) for _ in range(steps)) / steps)
+    return {name: _summary(values) for name, values in times.items()}
+
+
+def layer_benchmarks(size, device, dtype, repeats, log=print):
+    """Target 3 (batched paths vs the loop-over-modules reference, one encoder layer) and target 5
+    (WideNet's MoE: router + dispatch + combine vs the experts' own compute)."""
+    from multipath_nmt.modules.moe import MoEFeedForward
+    from multipath_nmt.modules.multipath import MultiPathEncoderLayer
+    from multipath_nmt.modules.multipath_reference import ReferenceMultiPathEncoderLayer
+
+    d, ffn, heads = size["dim"], size["ffn"], size["heads"]
+    T, B = size["length"], size["batch"]
+    steps = size["steps"] + 1
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, B, d, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    out = {"paths": {}}
+    for n in (2, 4, 8):
+        batched = MultiPathEncoderLayer(d, ffn, heads, n).to(device=device, dtype=dtype)
+        reference = ReferenceMultiPathEncoderLayer(d, ffn, heads, n).to(device=device,
+                                                                        dtype=dtype)
+        reference.load_batched_state_dict(batched.state_dict())
+        timed = _round_robin({"batched": batched, "reference": reference}, x, device,
+                             repeats, steps)
+        tokens = T * B
+        out["paths"][n] = {
+            "batched_tokens_per_s": tokens / timed["batched"]["median"],
+            "reference_tokens_per_s": tokens / timed["reference"]["median"],
+            "speedup": timed["reference"]["median"] / timed["batched"]["median"],
+            "batched_s": timed["batched"], "reference_s": timed["reference"],
+        }
+        log(f"layer with {n} paths: batched {out['paths'][n]['speedup']:.2f}x the reference")
+
+    moe = MoEFeedForward(d, ffn, num_experts=4, k=2).to(device=device, dtype=dtype)
+    routing = moe.route(x.detach())
+    moe.pop_routing_stats()
+    expert_input = routing.dispatch(x.detach().reshape(-1, d)).requires_grad_()
+
+    def experts_only(expert_in):
+        hidden = torch.baddbmm(moe.fc1_bias.unsqueeze(1), expert_in, moe.fc1_weight)
+        return torch.baddbmm(moe.fc2_bias.unsqueeze(1), moe.activation(hidden), moe.fc2_weight)
+
+    def whole_layer(inp):
+        result = moe(inp)
+        moe.pop_routing_stats()
+        return result
+
+    moe_total = _round_robin({"moe": whole_layer}, x, device, repeats, steps)["moe"]
+    experts = _round_robin({"experts": experts_only}, expert_input, device, repeats,
+                           steps)["experts"]
+    overhead = (moe_total["median"] - experts["median"]) / experts["median"]
+    out["moe"] = {"layer_s": moe_total, "experts_s": experts, "capacity": routing.capacity,
+                  "routing_overhead_fraction": overhead}
+    log(f"MoE layer: router + dispatch + combine = {100 * overhead:.1f}% of the experts' time")
+    return out
+
+
+def _summary(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": values}
+
+
+def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, log=print):
+    """Measure every system; returns the result dict that ``write_reports`` renders."""
+    size = SIZES[size_name]
+    systems = [s for s in systems_for(size) if not only or s.name in only]
+    dtype = torch.float16 if fp16 else torch.float32
+    peak = matmul_peak_flops(device, dtype)
+    log(f"matmul peak ({dtype}): {peak / 1e9:.1f} GFLOP/s")
+    results = {}
+    with fake_data_dir(size["vocab"]) as data:
+        built = {}
+        for system in systems:
+            flags = fairseq_flags(size, system)
+            trainer, task = build_trainer(data, flags, device, fp16)
+            sample = synthetic_batch(size, len(task.source_dictionary))
+            flops = training_flops_per_token(trainer, sample)
+            trainer.train_step([sample])  # warm-up: optimizer state, allocator, caches
+            params = sum(p.numel() for p in trainer.model.parameters())
+            inactive = sum(m.inactive_parameter_count() for m in trainer.model.modules()
+                           if hasattr(m, "inactive_parameter_count"))
+            built[system.name] = (trainer, task, sample)
+            results[system.name] = dict(arch=system.arch, flags=system.flags, group=system.group,
+                                        compare_to=system.compare_to, params=params,
+                                        active_params=params - inactive,
+                                        train_flops_per_token=flops, tokens_per_s=[])
+            log(f"built {system.name}: {params / 1e6:.2f}M params, "
+                f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd)")
+        for repeat in range(size["repeats"]):  # round-robin against drift
+            for system in systems:
+                trainer, _, sample = built[system.name]
+                rate = time_train_steps(trainer, sample, size["steps"], device)
+                results[system.name]["tokens_per_s"].append(rate)
+            log(f"repeat {repeat + 1}/{size['repeats']} done")
+        for system in systems:
+            r = results[system.name]
+            r["tokens_per_s"] = _summary(r["tokens_per_s"])
+            r["mfu"] = r["train_flops_per_token"] * r["tokens_per_s"]["median"] / peak
+        for system in systems:
+            if system.group in ("baselines", "multi-path"):
+                trainer, task, _ = built[system.name]
+                rates = beam_search_speed(trainer, task, size, device, size["repeats"])
+                results[system.name]["beam_sentences_per_s"] = _summary(rates)
+        del built
+    layers = layer_benchmarks(size, device, dtype, size["repeats"], log=log)
+    if memory:
+        for system in systems:
+            results[system.name]["peak_memory_mib"] = peak_memory_of_step(
+                fairseq_flags(size, system), size, device, fp16)
+    return {
+        "size": size_name, "shape": size, "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "machine": machine_description(device), "matmul_peak_flops": peak,
+        "command": " ".join(["multipath-bench", *sys.argv[1:]]), "systems": results,
+        "layers": layers,
+    }
+
+
+def machine_description(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def _ratio(result, name, other, key="tokens_per_s"):
+    systems = result["systems"]
+    if name not in systems or other not in systems or key not in systems[name]:
+        return None
+    return systems[name][key]["median"] / systems[other][key]["median"]
+
+
+def evaluate_targets(result):
+    """The targets of the benchmark issue, as measured ratios from this one run."""
+    rows = []
+
+    def target(number, text, value, threshold, higher_is_better=True):
+        if value is None:
+            return
+        met = value >= threshold if higher_is_better else value <= threshold
+        rows.append(dict(target=number, text=text, value=value, threshold=threshold, met=met))
+
+    target(1, "multi-path L x 4 tokens/s vs deep 4L (same parameters)",
+           _ratio(result, "multi-path L x 4 (full)", "stock deep 4L"), 1.0)
+    target(2, "PathNorm + learnable weights + cheap features tokens/s vs plain multi-path",
+           _ratio(result, "multi-path L x 4 (+cheap features)", "multi-path L x 4 (plain)"), 0.95)
+    paths = result["layers"]["paths"]
+    for n, row in sorted(paths.items(), key=lambda kv: int(kv[0])):
+        target(3, f"batched vs loop reference, {n} paths (one encoder layer, fwd+bwd)",
+               row["speedup"], 1.0 if int(n) <= 2 else 1.05)
+    systems = result["systems"]
+    stock = systems.get("stock prenorm L", {}).get("mfu")
+    if stock:
+        for name, row in systems.items():
+            if name != "stock prenorm L":
+                target(4, f"MFU of {name} vs stock fairseq", row["mfu"] / stock, 0.95)
+    target(5, "MoE router + dispatch + combine, fraction of the experts' time",
+           result["layers"]["moe"]["routing_overhead_fraction"], 0.15, higher_is_better=False)
+    target(6, "beam search sentences/s, multi-path L x 4 vs baseline (same decoder)",
+           _ratio(result, "multi-path L x 4 (full)", "stock prenorm L", "beam_sentences_per_s"),
+           0.95)
+    return rows
+
+
+def _spread(summary, scale=1.0, fmt="{:.0f}"):
+    return (f"{fmt.format(summary['median'] * scale)} "
+            f"[{fmt.format(summary['min'] * scale)}-{fmt.format(summary['max'] * scale)}]")
+
+
+def markdown_report(result):
+    lines = [
+        f"Machine: {result['machine']}; device {result['device']}, {result['dtype']}; "
+        f"size `{result['size']}` {json.dumps(result['shape'])}; "
+        f"matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s.",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "| group | system | params | active | train MFLOP/token | tokens/s median [min-max] "
+        "| vs | MFU | beam sent/s | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["systems"].items():
+        versus = ""
+        if r["compare_to"]:
+            versus = f"{_ratio(result, name, r['compare_to']):.2f}x {r['compare_to']}"
+        beam = _spread(r["beam_sentences_per_s"], fmt="{:.1f}") if "beam_sentences_per_s" in r \
+            else ""
+        memory = f"{r['peak_memory_mib']:.0f}" if "peak_memory_mib" in r else ""
+        lines.append(
+            f"| {r['group']} | {name} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M "
+            f"| {r['train_flops_per_token'] / 1e6:.1f} | {_spread(r['tokens_per_s'])} | {versus} "
+            f"| {100 * r['mfu']:.1f}% | {beam} | {memory} |")
+    lines += ["", "| paths | batched tokens/s | reference tokens/s | speed-up |", "|---|---|---|---|"]
+    for n, row in result["layers"]["paths"].items():
+        lines.append(f"| {n} | {row['batched_tokens_per_s']:.0f} | "
+                     f"{row['reference_tokens_per_s']:.0f} | {row['speedup']:.2f}x |")
+    moe = result["layers"]["moe"]
+    lines += ["", f"MoE layer (E 4, k 2, C 1.2, capacity {moe['capacity']}): whole layer "
+              f"{1e3 * moe['layer_s']['median']:.2f} ms, experts alone "
+              f"{1e3 * moe['experts_s']['median']:.2f} ms per fwd+bwd.", "",
+              "| target | measured | needed | met |", "|---|---|---|---|"]
+    for row in evaluate_targets(result):
+        sign = "<=" if row["target"] == 5 else ">="
+        lines.append(f"| {row['target']}. {row['text']} | {row['value']:.3f} | "
+                     f"{sign} {row['threshold']} | {'yes' if row['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["systems"])
+    rates = [result["systems"][n]["tokens_per_s"] for n in names]
+    medians = [r["median"] for r in rates]
+    errors = [[m - r["min"] for m, r in zip(medians, rates)],
+              [r["max"] - m for m, r in zip(medians, rates)]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.5), sharey=True)
+    left.barh(names, medians, xerr=errors, color="tab:blue")
+    left.set_xlabel("training tokens/s (median, min-max)")
+    right.barh(names, [100 * result["systems"][n]["mfu"] for n in names], color="tab:orange")
+    right.set_xlabel("MFU (%)")
+    left.invert_yaxis()
+    fig.suptitle(f"multipath-bench, {result['device']} {result['dtype']}, size {result['size']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_reports(result, out_dir):
+    """bench.json, bench.md and bench.png in ``out_dir`` (each written atomically)."""
+    os.makedirs(out_dir, exist_ok=True)
+    result = dict(result, targets=evaluate_targets(result))
+    outputs = {"bench.json": json.dumps(result, indent=1), "bench.md": markdown_report(result)}
+    for name, text in outputs.items():
+        tmp = os.path.join(out_dir, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
+    tmp = os.path.join(out_dir, ".bench.png.tmp.png")
+    plot_report(result, tmp)
+    os.replace(tmp, os.path.join(out_dir, "bench.png"))
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--memory-probe")
+    args, _ = parser.parse_known_args(argv)
+    if args.memory_probe:
+        _memory_probe(json.loads(args.memory_probe))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""multipath-bench: every architecture side by side on the same synthetic batches."""
+import argparse
+import logging
+import sys
+import warnings
+
+from multipath_nmt import benchmark
+
+
+def cli_main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", choices=sorted(benchmark.SIZES), default="default",
+                        help="model and batch size; 'default' finishes in about 10 minutes on "
+                             "2 CPU cores, 'tiny' is for tests")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--fp16", action="store_true",
+                        help="train in fp16 (fairseq --fp16, needs --device cuda)")
+    parser.add_argument("--only", nargs="+", metavar="SYSTEM",
+                        help="measure only these systems (names as in the table)")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the per-system peak-memory probes (one process each)")
+    parser.add_argument("--out", default="results/bench",
+                        help="folder for bench.json, bench.md and bench.png")
+    args = parser.parse_args(argv)
+    if args.fp16 and args.device != "cuda":
+        parser.error("--fp16 needs --device cuda: fairseq's fp16 optimizer runs on GPUs only")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is visible to PyTorch")
+    known = {s.name for s in benchmark.systems_for(benchmark.SIZES[args.size])}
+    unknown = sorted(set(args.only or []) - known)
+    if unknown:
+        parser.error(f"unknown system(s) {unknown}; choose from {sorted(known)}")
+    logging.basicConfig(level=logging.WARNING, force=True)  # fairseq and hydra are chatty
+    warnings.filterwarnings("ignore", module="hydra")
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    result = benchmark.run(args.size, args.device, args.fp16, args.only,
+                           memory=not args.no_memory, log=log)
+    result = benchmark.write_reports(result, args.out)
+    print(benchmark.markdown_report(result))
+    print(f"wrote {args.out}/bench.json, bench.md, bench.png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    cli_main()
