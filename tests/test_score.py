@@ -80,7 +80,8 @@ def test_first_line_equals_multi_bleu_perl(tmp_path, name, lowercase):
 
 
 @needs_perl
-@pytest.mark.parametrize("name", ["hyphens_without_split", "unicode", "identical", "multiple_refs_closest_tie"])
+@pytest.mark.parametrize("name", ["hyphens_without_split", "unicode", "identical", "multiple_refs_closest_tie",
+                                  "crlf", "no_final_newline", "empty_hypothesis_lines"])
 def test_compound_split_equals_perl_pipeline(tmp_path, name):
     hyp, ref = _write(tmp_path / "ours", *CASES[name])
     ours = _ours(hyp, ref, "--compound-split")[0]
@@ -118,6 +119,36 @@ def test_random_corpora_equal_multi_bleu_perl(tmp_path, seed):
     hyp, ref = _write(tmp_path / "cs", to_file(hyps), [to_file(s) for s in refs])
     ours = _ours(hyp, ref, "--compound-split")[0]
     assert ours == _perl(hyp, ref, compound=True).stdout.decode().rstrip("\n")
+
+
+@needs_perl
+def test_real_german_text_equals_multi_bleu_perl(multi30k, tmp_path):
+    """Multi30k test_2016 German, Moses-tokenized with -a (@-@), against two perturbed 'systems'."""
+    import gzip
+
+    from sacremoses import MosesTokenizer
+
+    tokenize = MosesTokenizer(lang="de").tokenize
+    with gzip.open(multi30k / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
+        refs = [tokenize(line.strip(), aggressive_dash_splits=True, return_str=True) for line in f]
+    rng = random.Random(0)
+    vocab = sorted({w for r in refs[:50] for w in r.split()})
+
+    def perturb(line):  # drop, replace and swap words
+        words = [w if rng.random() > 0.1 else rng.choice(vocab) for w in line.split() if rng.random() > 0.1]
+        if len(words) > 3 and rng.random() < 0.3:
+            i = rng.randrange(len(words) - 1)
+            words[i], words[i + 1] = words[i + 1], words[i]
+        return " ".join(words)
+
+    hyps = [perturb(r) for r in refs]
+    second_ref = [perturb(r) for r in refs]
+    to_file = lambda lines: "".join(line + "\n" for line in lines).encode()  # noqa: E731
+    for folder, ref_streams in (("one", [refs]), ("two", [refs, second_ref])):
+        for flags in ([], ["--compound-split"]):
+            hyp, ref = _write(tmp_path / folder / "-".join(flags), to_file(hyps), [to_file(r) for r in ref_streams])
+            ours = _ours(hyp, ref, *flags)[0]
+            assert ours == _perl(hyp, ref, compound=bool(flags)).stdout.decode().rstrip("\n")
 
 
 def test_exact_numbers_and_sacrebleu_line(tmp_path):
