@@ -113,6 +113,19 @@ def test_decoder_paths():
     assert layer.encoder_attn.num_paths == 3 and layer.ffn.num_paths == 3
 
 
+def test_encoder_layerdrop_skips_multipath_layers():
+    from fairseq.modules import LayerDropModuleList
+
+    model = _tiny("multipath_transformer", "--encoder-layerdrop", "1.0", "--dropout", "0")
+    model.train()
+    assert isinstance(model.encoder.layers, LayerDropModuleList)
+    src = torch.randint(4, 100, (2, 5))
+    out = model.encoder(src, src_lengths=torch.full((2,), 5))["encoder_out"][0]
+    # Every layer dropped: the output is the final LayerNorm of the embeddings.
+    embedded = model.encoder.forward_embedding(src)[0].transpose(0, 1)
+    torch.testing.assert_close(out, model.encoder.layer_norm(embedded))
+
+
 def test_invalid_path_count_is_a_clear_error():
     with pytest.raises(ValueError, match="--encoder-paths must be at least 1, got 0"):
         _tiny("multipath_transformer", "--encoder-paths", "0")
