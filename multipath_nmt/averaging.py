@@ -55,6 +55,9 @@ def _arch(state) -> Optional[str]:
 
 
 def _load(path):
+    if os.path.isdir(path):
+        raise AveragingError(f"{path} is a directory; pass checkpoint files, or add "
+                             "--num-epoch-checkpoints N / --num-update-checkpoints N")
     if not os.path.isfile(path):
         raise AveragingError(f"{path}: no such checkpoint file")
     try:

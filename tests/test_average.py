@@ -150,6 +150,7 @@ def test_cli_errors_leave_no_output(run_dir, tmp_path):
     cases = [
         (["--inputs", tmp_path / "missing.pt"], "missing.pt: no such checkpoint file"),
         (["--inputs", tmp_path, "--num-epoch-checkpoints", "2"], "found 0 epoch"),
+        (["--inputs", tmp_path], "is a directory; pass checkpoint files, or add --num-epoch-checkpoints"),
         (["--inputs", run_dir / "checkpoint1.pt", "--checkpoint-upper-bound", "2"],
          "--checkpoint-upper-bound needs"),
     ]
