@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multipath_nmt import ewa_training
-from multipath_nmt.modules.ewa import (EWAFeedForward, EWASchedule, average_experts_,
-                                       uniform_partition)
+from multipath_nmt.modules.ewa import (EarlyEWAMoE, EWAFeedForward, EWASchedule,
+                                       average_experts_, uniform_partition)
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
 
 
@@ -133,6 +133,17 @@ def test_after_step_averages_module_weights_without_master_copies():
         expected = old.clone()
         average_experts_(expected, 0.3)
         assert torch.equal(new, expected)
+
+
+def test_early_ewa_moe_is_top1_and_averaged_only_until_the_stop_point():
+    moe = EarlyEWAMoE(6, 10, 4, EWASchedule(0.3, "constant", total_updates=10, stop_at=0.5))
+    assert moe.k == 1
+    before = moe.fc2_weight.detach().clone()
+    moe.ewa_after_step(6, {})  # after 0.5 * 10 updates: plain MoE
+    assert torch.equal(moe.fc2_weight, before)
+    moe.ewa_after_step(5, {})
+    average_experts_(before, 0.3)
+    assert torch.equal(moe.fc2_weight, before)
 
 
 class _Model(nn.Module):

@@ -8,9 +8,10 @@ Everything except the FFN sub-block of the chosen encoder layers is fairseq's ow
   MoE layer, :class:`~multipath_nmt.modules.moe.MoEFeedForward`).
 - ``--encoder-ffn ewa``: Experts Weights Averaging (Huang et al., 2023) in the layers chosen by
   ``--ewa-layers``; the averaging runs after every optimizer step (:mod:`multipath_nmt.ewa_training`).
-  ``--ewa-stop-at F`` is the paper's "early EWA": the layers are top-1 routed MoEs (learned router,
-  capacity, balance loss) that get the EWA update only during the first fraction F of training and
-  stay MoEs at inference (so they cannot be folded into a dense FFN).
+  ``--ewa-stop-at F`` is the paper's "early EWA" (EWA used to improve a naive MoE): the layers are
+  top-1 routed MoEs (learned router, capacity, balance loss) that get the EWA update after each of
+  the first F * --max-update steps, with the same share-rate schedule b(n) as plain EWA, then train
+  as plain MoEs and stay MoEs at inference (so they cannot be folded into a dense FFN).
 - ``--encoder-ffn parameternet``: ParameterNet projections (Han et al., 2024) in every layer.
 """
 import logging
@@ -25,7 +26,7 @@ from torch import nn
 
 from multipath_nmt import ewa_training
 from multipath_nmt.models.transformer_baselines import transformer_prenorm_wmt_en_de
-from multipath_nmt.modules.ewa import SCHEDULES, EWAFeedForward, EWASchedule, ewa_average_parameters_
+from multipath_nmt.modules.ewa import SCHEDULES, EarlyEWAMoE, EWAFeedForward, EWASchedule
 from multipath_nmt.modules.moe import MoEFeedForward
 from multipath_nmt.modules.parameternet import MODES, PROJECTIONS, ParameterNetFeedForward
 
@@ -81,21 +82,6 @@ def check_args(args):
         if args.parameternet_proj not in PROJECTIONS or args.parameternet_mode not in MODES:
             raise ValueError(f"--parameternet-proj must be one of {PROJECTIONS} and "
                              f"--parameternet-mode one of {MODES}")
-
-
-class EarlyEWAMoE(MoEFeedForward):
-    """A top-1 routed MoE FFN that gets the EWA update after each step until ``stop_at``
-    (Huang et al., 2023, "early EWA" for naive MoEs); it stays a routed MoE at inference."""
-
-    def __init__(self, embed_dim, ffn_dim, num_experts, schedule, **kwargs):
-        super().__init__(embed_dim, ffn_dim, num_experts=num_experts, k=1, **kwargs)
-        self.schedule = schedule
-
-    def ewa_after_step(self, num_updates, master_views):
-        share_rate = self.schedule.share_rate_at(num_updates)
-        if share_rate > 0.0:
-            ewa_average_parameters_([self.fc1_weight, self.fc1_bias, self.fc2_weight,
-                                     self.fc2_bias], share_rate, master_views)
 
 
 def build_ffn(args, embed_dim, ffn_dim):

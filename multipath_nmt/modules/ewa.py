@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multipath_nmt.modules.moe import MoEFeedForward
+
 SCHEDULES = ("linear", "constant")
 
 
@@ -41,6 +43,8 @@ class EWASchedule:
         return self.schedule == "linear" or self.stop_at is not None
 
     def share_rate_at(self, num_updates):
+        # checked here, not at build time: tools that only build the model (multipath-params,
+        # fairseq-generate of an old config) need no training length
         if self._needs_total() and self.total_updates <= 0:
             raise ValueError("EWA with a linear schedule or a stop point needs the length of "
                              "training: set --max-update (or use --ewa-schedule constant)")
@@ -170,3 +174,18 @@ class EWAFeedForward(nn.Module):
         # a token meets one FFN's worth of parameters: one expert in training, the mean at inference
         per_expert = sum(p[0].numel() for p in self.expert_parameters())
         return (self.num_experts - 1) * per_expert
+
+
+class EarlyEWAMoE(MoEFeedForward):
+    """A top-1 routed MoE FFN that gets the EWA update after each step until ``stop_at``
+    (Huang et al., 2023, "early EWA" for naive MoEs); it stays a routed MoE at inference."""
+
+    def __init__(self, embed_dim, ffn_dim, num_experts, schedule, **kwargs):
+        super().__init__(embed_dim, ffn_dim, num_experts=num_experts, k=1, **kwargs)
+        self.schedule = schedule
+
+    def ewa_after_step(self, num_updates, master_views):
+        share_rate = self.schedule.share_rate_at(num_updates)
+        if share_rate > 0.0:
+            ewa_average_parameters_([self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                                     self.fc2_bias], share_rate, master_views)
