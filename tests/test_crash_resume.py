@@ -2,47 +2,117 @@
 
 fairseq restores the data iterator mid-epoch, the optimizer, the learning-rate schedule and the
 update count (``set_num_updates``), and seeds every update with ``seed + num_updates``; our
-modules keep any update-dependent state in parameters, buffers or ``set_num_updates``. So on CPU,
-single-threaded, a killed-and-resumed run ends bit-exactly where an uninterrupted run ends. The
-guarantee holds inside an epoch; docs/troubleshooting.md explains why not across epoch ends.
+modules keep any update-dependent state in parameters, buffers or ``set_num_updates`` (the EWA
+schedule) and draw their randomness (router noise, EWA token groups) from that seeded RNG. So on
+CPU, single-threaded, a killed-and-resumed run ends bit-exactly where an uninterrupted run ends.
+The guarantee holds inside an epoch; docs/troubleshooting.md explains why not across epoch ends.
 """
+import os
+import random
+import shutil
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import torch
 
 from helpers.training import (MODELS, SMALL_BATCHES, assert_same_tensors, load_model_state, run,
                               run_until_killed, train_command)
 
-pytestmark = pytest.mark.slow
-
 MAX_UPDATE = 14
 SAVE_EVERY = 4
 KILL_AT = 6  # killed two updates after the save at update 4, long before the save at 8
+FLAGS = [*SMALL_BATCHES, "--max-update", MAX_UPDATE, "--save-interval-updates", SAVE_EVERY,
+         "--no-epoch-checkpoints"]
 
 
-@pytest.fixture(scope="module")
-def save_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("crash")
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_sigkill_then_same_command_resumes_bit_exactly(model, toy_data_bin, save_root):
-    flags = [*SMALL_BATCHES, "--max-update", MAX_UPDATE, "--save-interval-updates", SAVE_EVERY,
-             "--no-epoch-checkpoints"]
-    reference = save_root / f"{model}-uninterrupted"
-    run(train_command(toy_data_bin, reference, model, *flags))
+def test_sigkill_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_path):
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs alongside
+        reference = pool.submit(run, train_command(toy_data_bin, tmp_path / "uninterrupted",
+                                                   model, *FLAGS))
+        command = train_command(toy_data_bin, tmp_path / "killed", model, *FLAGS)
+        _, saved_at = run_until_killed(command, KILL_AT)
+        assert saved_at < MAX_UPDATE
+        _, updates_on_disk = load_model_state(tmp_path / "killed" / "checkpoint_last.pt")
+        assert updates_on_disk == saved_at
 
-    crashed = save_root / f"{model}-killed"
-    command = train_command(toy_data_bin, crashed, model, *flags)
-    _, saved_at = run_until_killed(command, KILL_AT)
-    assert saved_at < MAX_UPDATE
-    _, updates_on_disk = load_model_state(crashed / "checkpoint_last.pt")
-    assert updates_on_disk == saved_at
+        resumed = run(command)
+        reference.result()
+    assert f"Loaded checkpoint {tmp_path / 'killed' / 'checkpoint_last.pt'} " \
+           f"(epoch 1 @ {saved_at} updates)" in resumed
+    assert "epoch 002" not in resumed  # the iterator continued mid-epoch, not from a new epoch
 
-    resumed = run(command)
-    assert "Loaded checkpoint" in resumed and f"(epoch 1 @ {saved_at} updates)" in resumed
-    # Resumed inside the first epoch: the iterator continued mid-epoch, not from its start.
-    assert "epoch 002" not in resumed
-
-    expected, expected_updates = load_model_state(reference / "checkpoint_last.pt")
-    actual, actual_updates = load_model_state(crashed / "checkpoint_last.pt")
+    expected, expected_updates = load_model_state(tmp_path / "uninterrupted" / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(tmp_path / "killed" / "checkpoint_last.pt")
     assert actual_updates == expected_updates == MAX_UPDATE
     assert_same_tensors(actual, expected)
+
+
+@pytest.mark.slow
+def test_same_seed_same_checkpoint(toy_data_bin, tmp_path):
+    """Two identical CPU runs of a model with dropout, router noise and random token groups."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(run, train_command(toy_data_bin, tmp_path / name, "ewa",
+                                               *SMALL_BATCHES, "--max-update", 6))
+                for name in ("first", "second")]
+        [r.result() for r in runs]
+    first, _ = load_model_state(tmp_path / "first" / "checkpoint_last.pt")
+    second, _ = load_model_state(tmp_path / "second" / "checkpoint_last.pt")
+    assert_same_tensors(second, first)
+
+
+def _copy_forever(copy, sources, destination):
+    while True:
+        for source in sources:
+            copy(str(source), str(destination), overwrite=True)
+
+
+def _kill_during_copies(copy, sources, destination, kills, rng):
+    """Fork a process that copies ``sources`` over ``destination`` in a loop, SIGKILL it at a
+    random moment, ``kills`` times; return how many kills left ``destination`` unloadable."""
+    expected = [torch.load(s) for s in sources]
+    broken = 0
+    for _ in range(kills):
+        pid = os.fork()
+        if pid == 0:  # child: nothing but file copies, then never return into pytest
+            try:
+                _copy_forever(copy, sources, destination)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.01, 0.15))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        try:
+            loaded = torch.load(destination)
+            if not any(torch.equal(loaded["model"]["w"], e["model"]["w"]) for e in expected):
+                broken += 1
+        except Exception:
+            broken += 1
+    return broken
+
+
+def test_sigkill_during_checkpoint_copy_leaves_a_loadable_checkpoint_last(tmp_path):
+    """fairseq writes checkpoint_N.pt atomically but copies it to checkpoint_last.pt in place;
+    the plug-in makes that copy atomic. SIGKILL at many random moments of repeated copies:
+    checkpoint_last.pt is always one complete checkpoint. The same kills against a plain copy
+    do leave broken files, so the check has teeth."""
+    import multipath_nmt  # noqa: F401  (installs the atomic PathManager.copy)
+    from fairseq.file_io import PathManager
+
+    sources = []
+    for i, megabytes in enumerate((6, 10)):
+        sources.append(tmp_path / f"checkpoint_{i}.pt")
+        torch.save({"model": {"w": torch.full((megabytes << 18,), float(i))}}, sources[-1])
+    last = tmp_path / "checkpoint_last.pt"
+    shutil.copyfile(sources[0], last)
+    rng = random.Random(0)
+
+    assert _kill_during_copies(PathManager.copy, sources, last, kills=15, rng=rng) == 0
+
+    def plain_copy(src, dst, overwrite=False):
+        shutil.copyfile(src, dst)
+
+    assert _kill_during_copies(plain_copy, sources, last, kills=15, rng=rng) > 0
