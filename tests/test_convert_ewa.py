@@ -102,20 +102,26 @@ def test_missing_input_is_a_clear_error(tmp_path):
         cli_main([str(tmp_path / "nope.pt"), str(tmp_path / "out.pt")])
 
 
-def _build_model(data, *flags):
+def _build_model(data, *flags, with_cfg=False):
+    """Build the model as fairseq-train does (from the omegaconf config it later saves)."""
     from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, [str(data), "--user-dir", str(USER_DIR),
                                                 "--arch", "ewa_transformer_wmt_en_de",
                                                 "--max-update", "10", *map(str, flags)])
-    return tasks.setup_task(args).build_model(args)
+    cfg = convert_namespace_to_omegaconf(args)
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    return (model, cfg) if with_cfg else model
 
 
 @pytest.mark.slow
 def test_ewa_init_from_copies_the_dense_ffn_into_every_expert(toy_data_bin, converted):
-    model = _build_model(toy_data_bin, *TINY_MODEL, "--share-all-embeddings",
-                         "--ewa-init-from", converted)
+    model, cfg = _build_model(toy_data_bin, *TINY_MODEL, "--share-all-embeddings",
+                              "--ewa-init-from", converted, with_cfg=True)
+    # checkpoints of this run record the origin but do not need the dense file to load
+    assert cfg.model.ewa_init_from is None and cfg.model.ewa_initialized_from == str(converted)
     dense = torch.load(converted)["model"]
     ffn = model.encoder.layers[1].ffn
     for stacked, key in ((ffn.fc1_weight, "fc1.weight"), (ffn.fc1_bias, "fc1.bias"),

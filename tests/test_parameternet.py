@@ -115,11 +115,14 @@ def test_rejects_impossible_settings(kwargs, message):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, flags", [
+    # half precision on CPU (--memory-efficient-fp16) for the ParameterNet layers' own maths
     ("parameternet_transformer_wmt_en_de", ["--parameternet-mode", "dynamic",
-                                            "--parameternet-proj", "both"]),
+                                            "--parameternet-proj", "both",
+                                            "--memory-efficient-fp16"]),
     ("parameternet_transformer_wmt_en_de", ["--parameternet-mode", "routed",
                                             "--parameternet-proj", "up",
-                                            "--parameternet-experts", "3"]),
+                                            "--parameternet-experts", "3",
+                                            "--memory-efficient-fp16"]),
     ("moe_transformer_wmt_en_de", []),
 ], ids=["parameternet-dynamic", "parameternet-routed", "moe-every-2"])
 def test_fairseq_train(toy_data_bin, tmp_path, arch, flags):

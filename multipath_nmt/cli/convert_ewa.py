@@ -21,7 +21,8 @@ EWA_KEY = re.compile(r"^(encoder\.layers\.\d+\.)ffn\.(fc[12])_(weight|bias)$")
 # cfg.model entries that only moe_transformer knows
 PLUGIN_MODEL_KEYS = ("encoder_ffn", "encoder_moe_freq", "moe_experts", "moe_top_k",
                      "moe_capacity_factor", "ewa_layers", "ewa_experts", "ewa_share_rate",
-                     "ewa_schedule", "ewa_stop_at", "ewa_init_from", "parameternet_proj",
+                     "ewa_schedule", "ewa_stop_at", "ewa_init_from", "ewa_initialized_from",
+                     "parameternet_proj",
                      "parameternet_mode", "parameternet_experts", "user_dir")
 
 

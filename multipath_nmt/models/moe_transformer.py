@@ -218,6 +218,9 @@ class MoETransformerModel(TransformerModel):
         model = super().build_model(args, task)
         if args.encoder_ffn == "ewa" and args.ewa_init_from:
             init_experts_from_dense(model, args.ewa_init_from)
+            # the experts now live in this model's state: the config saved in its checkpoints
+            # must not make fairseq-generate (or a resume elsewhere) need the dense file
+            args.ewa_initialized_from, args.ewa_init_from = args.ewa_init_from, None
         return model
 
     @classmethod
