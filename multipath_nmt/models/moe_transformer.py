@@ -36,7 +36,8 @@ ewa_training.install()
 
 ENCODER_FFNS = ("dense", "moe", "ewa", "parameternet")
 EWA_LAYER_PATTERNS = ("every-2", "last-4")
-# Huang et al. (2023) EWA defaults: 4 experts, share rate rising linearly to 0.3
+# EWA defaults: 4 experts, share rate rising linearly to 0.3 (our reading of Huang et al. (2023);
+# only the abstract could be re-checked offline, so treat 0.3 as a tunable starting point)
 DEFAULT_EWA_SHARE_RATE = 0.3
 
 
@@ -72,9 +73,9 @@ def check_args(args):
         ewa_layer_indices(args.ewa_layers, args.encoder_layers)
         EWASchedule(args.ewa_share_rate, args.ewa_schedule, args.max_update, args.ewa_stop_at)
         if args.ewa_init_from and args.ewa_stop_at is not None:
-            raise ValueError("--ewa-init-from starts every expert as the same dense FFN; a routed "
-                             "early-EWA MoE (--ewa-stop-at) would keep them identical under a "
-                             "router, drop one of the two flags")
+            raise ValueError("--ewa-init-from is implemented for EWA layers (random partition), "
+                             "not for the routed early-EWA MoE of --ewa-stop-at; drop one of "
+                             "the two flags")
     if args.encoder_ffn == "parameternet":
         if args.parameternet_experts < 2:
             raise ValueError(f"--parameternet-experts must be at least 2, got "
