@@ -1,0 +1,76 @@
+"""A NaN or Inf during training is reported with the update number, also in CPU fp16 runs.
+
+What fairseq 0.12 does on today's PyTorch, and what :func:`install` changes:
+
+* fp32/bf16: a non-finite gradient norm raises ``FloatingPointError("gradients are Nan/Inf")``
+  after saving ``crash.pt``; fairseq then re-runs the batch under its ``NanDetector`` to log the
+  first module with a NaN, and on torch >= 2.x that diagnostic run itself dies with a bare
+  ``StopIteration`` (its deprecated backward hooks on modules returning dicts), which hides the
+  real error. Neither message says at which update training broke.
+* fp16 (``--fp16``/``--memory-efficient-fp16``): an overflow lowers the loss scale and skips the
+  update, as designed; only when the scale reaches ``--min-loss-scale`` does fairseq raise
+  ``FloatingPointError("Minimum loss scale reached ...")``. On CPU the very first overflow
+  crashes instead (the trainer zeroes ``grad_norm`` with ``torch.tensor(0.0).cuda()``).
+
+:func:`install` wraps ``Trainer.train_step``: any of these failures becomes one
+:class:`NonFiniteLossError` (a ``FloatingPointError``) naming the update, the original message,
+``crash.pt`` and what to try; and a CPU fp16 overflow is skipped like on a GPU.
+"""
+import functools
+import os
+
+from fairseq.trainer import Trainer
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or the gradients of an update are NaN or Inf."""
+
+
+def _floating_point_error(err):
+    """The FloatingPointError behind ``err`` (itself, or the one fairseq's NanDetector re-run was
+    handling when it crashed), else None."""
+    for candidate in (err, err.__context__):
+        if isinstance(candidate, FloatingPointError):
+            return candidate
+    return None
+
+
+def _is_cpu_overflow_crash(trainer, err):
+    """fairseq's overflow handler calls ``.cuda()``; without CUDA that raises while the
+    OverflowError (the loss scaler lowering the scale) is being handled."""
+    return not trainer.cuda and isinstance(err.__context__, OverflowError)
+
+
+def _report_update(train_step):
+    @functools.wraps(train_step)
+    def train_step_reporting_update(self, samples, raise_oom=False):
+        update = self.get_num_updates() + 1
+        try:
+            return train_step(self, samples, raise_oom)
+        except NonFiniteLossError:
+            raise
+        except Exception as err:
+            if _is_cpu_overflow_crash(self, err):
+                # What fairseq does after that line on a GPU: drop the gradients, skip the update.
+                self.zero_grad()
+                return None
+            cause = _floating_point_error(err)
+            if cause is None:
+                raise
+            crash = os.path.join(self.cfg.checkpoint.save_dir, "crash.pt")
+            raise NonFiniteLossError(
+                f"non-finite loss or gradients at update {update}: {str(cause).rstrip('.')}. "
+                f"The model before this update is in {crash} (a warning above may name the "
+                "first module with a NaN or Inf). Try a lower --lr, a longer --warmup-updates or "
+                "--clip-norm (with fp16 also bf16 or fp32), then run the command again: it "
+                "resumes from checkpoint_last.pt."
+            ) from cause
+
+    train_step_reporting_update.__multipath_nmt_patched__ = True
+    return train_step_reporting_update
+
+
+def install():
+    """Idempotent: report non-finite updates with their number; skip CPU fp16 overflows."""
+    if not getattr(Trainer.train_step, "__multipath_nmt_patched__", False):
+        Trainer.train_step = _report_update(Trainer.train_step)
