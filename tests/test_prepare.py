@@ -52,6 +52,17 @@ def test_german_number_normalization():
     assert tok("Sie verkauften 1.250 Autos.", "de") == "Sie verkauften 1.250 Autos ."
 
 
+def test_parallel_tokenization_keeps_the_line_order(tmp_path):
+    lines = [f"Line {i}: state-of-the-art & \u201cquoted\u201d." for i in range(600)]
+    (tmp_path / "in.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for workers in (1, 3):
+        prepare.map_file(tmp_path / "in.en", tmp_path / f"out{workers}", prepare._tokenize_chunk,
+                         prepare._init_tokenizer, ("en",), workers, "tokenize", chunk_lines=50)
+    expected = [tok(line) for line in lines]
+    assert (tmp_path / "out3").read_text(encoding="utf-8").splitlines() == expected
+    assert (tmp_path / "out1").read_text(encoding="utf-8").splitlines() == expected
+
+
 @pytest.mark.parametrize("a, b, expected", [
     ("a b c", "x y z", ("a b c", "x y z")),
     ("  a   b ", "x\ty", ("a b", "x y")),                 # whitespace collapsed and trimmed
@@ -345,6 +356,15 @@ def test_unknown_task(capsys, tmp_path):
     assert f"--raw-dir {tmp_path / 'nowhere'} is not a directory" in err
 
 
+def test_prepare_wmt_script_exits_non_zero_on_an_unknown_task(tmp_path):
+    proc = run_cli(["bash", ROOT / "scripts" / "prepare-wmt.sh", "wmt16_en_ro", "--out", tmp_path / "x"],
+                   check=False)
+    assert proc.returncode == 1
+    assert "== multipath-prepare wmt wmt16_en_ro" in proc.stderr
+    assert "multipath-prepare: error: unknown task 'wmt16_en_ro'; choose one of:" in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def test_failed_download_names_the_url_and_the_fix(tmp_path, mirror, capsys):
     url, _ = mirror
     err = run_main(["wmt", "wmt17_en_lv", "--out", tmp_path / "x", "--mirror", url + "/missing"], capsys)
@@ -374,9 +394,12 @@ def test_prepare_corpus_script_on_multi30k(multi30k, tmp_path):
     out = tmp_path / "data-bin" / "multi30k"
     proc = run_cli(["bash", ROOT / "scripts" / "prepare-corpus.sh", "--src", "en", "--tgt", "de",
                     "--train", sample / "train", "--valid", sample / "val", "--test", sample / "test_2016_flickr",
-                    "--out", out, "--bpe-merges", "200", "--workers", "2"])
+                    "--out", out, "--bpe-merges", "200", "--workers", "1"])
     assert "== multipath-prepare corpus --src en" in proc.stderr
-    sizes = dataset_sizes(out, "en", "de")
-    assert sizes["test"] == 500 and 475 <= sizes["train"] <= 500 and 475 <= sizes["valid"] <= 500
-    assert (tmp_path / "data-bin" / "multi30k.work" / "bpe" / "codes").is_file()
-    assert (out / "bpecodes").is_file()
+    bpe = tmp_path / "data-bin" / "multi30k.work" / "bpe"
+    kept = {split: sum(clean_pair(a, b) is not None for a, b in zip(prepare.read_lines(bpe / f"{split}.en"),
+                                                                    prepare.read_lines(bpe / f"{split}.de")))
+            for split in ("train", "valid")}
+    assert dataset_sizes(out, "en", "de") == {**kept, "test": 500}
+    assert min(kept.values()) > 400
+    assert (out / "bpecodes").read_text() == (bpe / "codes").read_text()

@@ -241,13 +241,13 @@ def _bpe_chunk(lines):
     return [_worker["bpe"].process_line(line) for line in lines]
 
 
-def _chunks(lines, size=CHUNK_LINES):
+def _chunks(lines, size):
     lines = iter(lines)
     while chunk := list(islice(lines, size)):
         yield chunk
 
 
-def map_file(src, dst, func, init, init_args, workers, label):
+def map_file(src, dst, func, init, init_args, workers, label, chunk_lines=CHUNK_LINES):
     """Write ``func`` of each chunk of lines of ``src`` to ``dst`` in order, over ``workers`` processes."""
     progress = Progress(label)
     with open(dst, "w", encoding="utf-8", newline="\n") as out:
@@ -257,11 +257,11 @@ def map_file(src, dst, func, init, init_args, workers, label):
 
         if workers > 1:
             with multiprocessing.Pool(workers, initializer=init, initargs=init_args) as pool:
-                for chunk in pool.imap(func, _chunks(read_lines(src)), chunksize=1):
+                for chunk in pool.imap(func, _chunks(read_lines(src), chunk_lines), chunksize=1):
                     write(chunk)
         else:
             init(*init_args)
-            for chunk in _chunks(read_lines(src)):
+            for chunk in _chunks(read_lines(src), chunk_lines):
                 write(func(chunk))
     progress.close()
 
@@ -326,7 +326,7 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
                "--testpref", str(clean_dir / "test"), "--destdir", str(tmp), "--joined-dictionary",
                "--workers", str(workers)]
         log("  " + " ".join(cmd))
-        proc = subprocess.run(cmd, stdout=sys.stderr)
+        proc = subprocess.run(cmd, stdout=2)  # its log is progress too: keep stdout free, like every stage
         if proc.returncode != 0:
             raise PrepareError(f"fairseq-preprocess failed with exit code {proc.returncode} (its log is above)")
         shutil.copyfile(bpe / "codes", tmp / "bpecodes")
