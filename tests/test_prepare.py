@@ -86,6 +86,20 @@ def test_sgm_to_text_like_input_from_sgm(tmp_path):
     assert list(sgm_to_text(sgm)) == ["AT&T earns <1%", "split over lines", '\u20ac5 "q"']
 
 
+def test_run_stage_skips_same_parameters_and_rebuilds_changed_ones(tmp_path):
+    builds = []
+
+    def build(tmp):
+        builds.append(tmp.name)
+        (tmp / "f").write_text(str(len(builds)))
+
+    stage = tmp_path / "bpe"
+    for merges in (10, 10, 20):
+        prepare.run_stage(stage, "bpe", {"merges": merges}, build)
+    assert builds == ["bpe.partial", "bpe.partial"] and (stage / "f").read_text() == "2"
+    assert (stage / ".done").read_text() == '{"merges": 20}' and not (tmp_path / "bpe.partial").exists()
+
+
 def test_mirror_replaces_the_host():
     url = ARCHIVES["europarl_v7"].url
     assert mirror_url(url, "http://127.0.0.1:9/m/") == "http://127.0.0.1:9/m/wmt13/training-parallel-europarl-v7.tgz"
