@@ -62,7 +62,7 @@ def _report_update(train_step):
                 f"non-finite loss or gradients at update {update}: {str(cause).rstrip('.')}. "
                 f"The model before this update is in {crash} (a warning above may name the "
                 "first module with a NaN or Inf). Try a lower --lr, a longer --warmup-updates or "
-                "--clip-norm (with fp16 also bf16 or fp32), then run the command again: it "
+                "--clip-norm (with fp16, also fp32), then run the command again: it "
                 "resumes from checkpoint_last.pt."
             ) from cause
 
