@@ -24,7 +24,9 @@ CHECKPOINT_SAVED = re.compile(r"Saved checkpoint \S+ \(epoch \d+ @ (\d+) updates
 # TRAIN_FLAGS (argparse keeps the last value).
 MODELS = {
     "baseline": ["--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL],
-    "multipath": ["--arch", "multipath_transformer_wmt_en_de", *TINY_MODEL],
+    # 3 paths with cheap features in the encoder, 2 paths in the decoder.
+    "multipath": ["--arch", "multipath_transformer_wmt_en_de", *TINY_MODEL, "--encoder-paths", "3",
+                  "--cheap-features", "--decoder-paths", "2"],
     # One attention and one routed MoE FFN shared by both encoder layers: each shared parameter
     # is used twice per step; router noise draws random numbers.
     "widenet": ["--arch", "widenet_transformer_wmt_en_de", *TINY_MODEL,
