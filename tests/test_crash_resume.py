@@ -22,7 +22,7 @@ from helpers.training import (MODELS, SMALL_BATCHES, assert_same_tensors, load_m
 
 MAX_UPDATE = 14
 SAVE_EVERY = 4
-KILL_AT = 6  # killed two updates after the save at update 4, long before the save at 8
+KILL_AT = 5  # killed right after the save at update 4 (or, on a busy machine, the one at 8)
 FLAGS = [*SMALL_BATCHES, "--max-update", MAX_UPDATE, "--save-interval-updates", SAVE_EVERY,
          "--no-epoch-checkpoints"]
 
@@ -34,10 +34,9 @@ def test_sigkill_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_
         reference = pool.submit(run, train_command(toy_data_bin, tmp_path / "uninterrupted",
                                                    model, *FLAGS))
         command = train_command(toy_data_bin, tmp_path / "killed", model, *FLAGS)
-        _, saved_at = run_until_killed(command, KILL_AT)
-        assert saved_at < MAX_UPDATE
-        _, updates_on_disk = load_model_state(tmp_path / "killed" / "checkpoint_last.pt")
-        assert updates_on_disk == saved_at
+        run_until_killed(command, KILL_AT)
+        _, saved_at = load_model_state(tmp_path / "killed" / "checkpoint_last.pt")
+        assert saved_at % SAVE_EVERY == 0 and saved_at < MAX_UPDATE  # killed mid-run
 
         resumed = run(command)
         reference.result()
