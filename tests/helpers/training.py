@@ -46,8 +46,8 @@ def train_command(data, save_dir, model, *extra):
             "--save-dir", str(save_dir), "--user-dir", str(USER_DIR), *map(str, extra)]
 
 
-def _fail(cmd, returncode, output):
-    pytest.fail(f"{' '.join(map(str, cmd))} exited {returncode}\n--- output\n{output[-8000:]}")
+def _fail(cmd, what_happened, output):
+    pytest.fail(f"{' '.join(map(str, cmd))} {what_happened}\n--- output\n{output[-8000:]}")
 
 
 def run(cmd, timeout=180, env=None):
@@ -60,9 +60,9 @@ def run(cmd, timeout=180, env=None):
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         output, _ = proc.communicate()
-        _fail(cmd, f"nothing: killed after a {timeout} s timeout", output)
+        _fail(cmd, f"was killed after a {timeout} s timeout", output)
     if proc.returncode != 0:
-        _fail(cmd, proc.returncode, output)
+        _fail(cmd, f"exited {proc.returncode}", output)
     return output
 
 
@@ -114,11 +114,15 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
         proc.stdout.read()  # drain what was written before the kill landed
         proc.wait()
     finally:
+        timed_out = watchdog.finished.is_set()  # set here only if it fired
         watchdog.cancel()
         proc.stdout.close()
     output = "".join(lines)
+    if timed_out:
+        _fail(cmd, f"was killed after a {timeout} s timeout", output)
     if not killed or proc.returncode != -signal.SIGKILL:
-        _fail(cmd, proc.returncode, output + "\n(expected to be killed after a checkpoint save)")
+        _fail(cmd, f"exited {proc.returncode} before it was killed after a checkpoint save",
+              output)
     return output
 
 
