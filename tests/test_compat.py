@@ -78,3 +78,28 @@ def test_train_resume_and_generate_without_environment(trained, toy_data_bin):
     out = run_fairseq("generate", toy_data_bin, "--path", save / "checkpoint_last.pt",
                       "--beam", "2", "--max-len-b", "10", "--cpu", "--max-sentences", "8")
     assert out.stdout.count("\nH-") == 40
+
+
+@pytest.mark.parametrize("batch_size,multiple", [(128, 8), (7, 8), (10, 3), (1, 1)])
+def test_batching_keeps_every_sentence(batch_size, multiple):
+    """fairseq 0.12 dropped the last batch when it was not a multiple of
+    --required-batch-size-multiple (500 sentences, batch 128: 496 translated)."""
+    import numpy as np
+    from fairseq.data import data_utils
+
+    indices = np.random.RandomState(0).permutation(500)
+    sizes = np.random.RandomState(1).randint(3, 30, size=500)
+    batches = data_utils.batch_by_size(indices, sizes.__getitem__, num_tokens_vec=sizes[indices],
+                                       max_sentences=batch_size,
+                                       required_batch_size_multiple=multiple)
+    assert np.array_equal(np.concatenate(batches), indices)
+    assert all(len(b) <= batch_size for b in batches)
+
+
+def test_generate_translates_every_test_sentence(trained, toy_data_bin):
+    """40 test sentences in batches of 16: fairseq 0.12 alone prints 32 of them."""
+    _, save, _ = trained
+    out = run_fairseq("generate", toy_data_bin, "--path", save / "checkpoint_last.pt",
+                      "--beam", "1", "--max-len-b", "10", "--cpu", "--batch-size", "16",
+                      "--required-batch-size-multiple", "16")
+    assert out.stdout.count("\nH-") == 40
