@@ -7,7 +7,8 @@
   (``MULTIPATH_NMT_TRUST_GLOBALS=module.Name,...`` or :func:`trust_globals`).
 * Distributed resume broadcasts rank 0's loaded state (an OmegaConf config) to the other ranks
   through ``torch.load``; that in-memory payload comes from our own process group, and only the
-  OmegaConf containers it holds are allowed while it is read.
+  OmegaConf containers it holds (and fairseq's placeholders for the tensors sent separately) are
+  allowed while it is read.
 * fairseq 0.12's ``batch_by_size`` drops the last batch when its size is not a multiple of
   ``--required-batch-size-multiple`` (default 8; fairseq issue #5036): ``fairseq-generate``
   silently translated 496 of 500 test sentences, and validation and training lost up to 7
@@ -39,12 +40,14 @@ class UntrustedCheckpointError(pickle.UnpicklingError):
 
 
 def _broadcast_globals():
+    from fairseq.distributed.utils import _TensorPlaceholder
     from omegaconf import base, dictconfig, listconfig, nodes
 
     return [
         typing.Any, dict, int, list, collections.defaultdict,
         dictconfig.DictConfig, listconfig.ListConfig, nodes.AnyNode,
         base.ContainerMetadata, base.Metadata,
+        _TensorPlaceholder,  # fairseq's broadcast_object sends tensors separately, as placeholders
     ]
 
 
