@@ -5,13 +5,22 @@ on CPU-only distributed runs (:mod:`multipath_nmt.distributed`), reports NaN/Inf
 their number (:mod:`multipath_nmt.numerics`), and registers the models, architectures and
 criterions.
 """
+import logging
 import os
 
-from multipath_nmt import compat, distributed, numerics
+# fairseq's text_to_speech task calls logging.basicConfig(level=DEBUG) when fairseq is imported;
+# when we are imported first (our own tools), undo that so they do not print DEBUG chatter.
+_root_logging = (logging.getLogger().level, list(logging.getLogger().handlers))
+
+from multipath_nmt import compat, distributed, numerics  # noqa: E402
 
 compat.install()
 distributed.install()
 numerics.install()
+
+if not _root_logging[1]:
+    logging.getLogger().handlers[:] = []
+    logging.getLogger().setLevel(_root_logging[0])
 
 USER_DIR = os.path.dirname(os.path.abspath(__file__))
 
