@@ -1,14 +1,8 @@
 """multipath-make-corpus: write the synthetic En->De-like quickstart corpus (see pipeline/synthetic.py)."""
 import argparse
 
+from multipath_nmt.cli import positive_int
 from multipath_nmt.pipeline.synthetic import write_corpus
-
-
-def _positive(value):
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return number
 
 
 def build_parser():
@@ -18,9 +12,9 @@ def build_parser():
                     "hyphenated compounds, numbers, punctuation, casing) as raw text "
                     "OUT/{train,valid,test}.{en,de}, deterministic for a seed.")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--train", type=_positive, default=20000, help="training sentence pairs (default: 20000)")
-    parser.add_argument("--valid", type=_positive, default=500, help="validation sentence pairs (default: 500)")
-    parser.add_argument("--test", type=_positive, default=500, help="test sentence pairs (default: 500)")
+    parser.add_argument("--train", type=positive_int, default=20000, help="training sentence pairs (default: 20000)")
+    parser.add_argument("--valid", type=positive_int, default=500, help="validation sentence pairs (default: 500)")
+    parser.add_argument("--test", type=positive_int, default=500, help="test sentence pairs (default: 500)")
     parser.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
     return parser
 

@@ -3,15 +3,9 @@ import argparse
 import os
 import sys
 
+from multipath_nmt.cli import positive_int
 from multipath_nmt.pipeline.prepare import PrepareError, prepare_corpus, prepare_wmt
 from multipath_nmt.pipeline.wmt import TASKS
-
-
-def _positive(value):
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return number
 
 
 def build_parser():
@@ -22,9 +16,9 @@ def build_parser():
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(sub):
-        sub.add_argument("--bpe-merges", type=_positive, default=32000,
+        sub.add_argument("--bpe-merges", type=positive_int, default=32000,
                          help="number of joint BPE merge operations (default: 32000)")
-        sub.add_argument("--workers", type=_positive, default=min(4, os.cpu_count() or 1),
+        sub.add_argument("--workers", type=positive_int, default=min(4, os.cpu_count() or 1),
                          help="processes for tokenization, BPE and fairseq-preprocess (default: min(4, CPUs))")
         sub.add_argument("--work-dir", default=None,
                          help="where the intermediate text stages go (default: OUT.work next to OUT; "
