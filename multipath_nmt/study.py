@@ -522,21 +522,25 @@ def select_systems(names: Optional[str]) -> List[System]:
     return [s for s in SYSTEMS if s.name in wanted]
 
 
+def write_reports(report: dict, results: Path) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    write_json(results / "study.json", report)
+    tmp = results / "study.md.tmp"
+    tmp.write_text(markdown_report(report))
+    os.replace(tmp, results / "study.md")
+    plot(report["systems"], results / "study.png")
+
+
 def run_study(args) -> dict:
+    """Prepare, run every system and seed, and rewrite the reports after each system (so an
+    interrupted study leaves the table of the systems that finished)."""
     systems = select_systems(args.systems)
-    work, results = Path(args.work), Path(args.results)
-    data_bin = prepare(Path(args.data), work, args.max_train_lines, args.max_eval_lines,
-                       args.workers)
+    results = Path(args.results)
+    data_bin = prepare(Path(args.data), Path(args.work), args.max_train_lines,
+                       args.max_eval_lines, args.workers)
     dict_size = dictionary_size(data_bin)
     flags = resolve_flags(systems, dict_size)
     runs_root = data_bin.parent / f"runs-{args.budget_minutes:g}min"
-    summaries = []
-    for system in systems:
-        runs = [run_system(system, flags[system.name], seed, data_bin,
-                           runs_root / system.name / f"seed{seed}", args.budget_minutes,
-                           dict_size, runs_root)
-                for seed in range(1, args.seeds + 1)]
-        summaries.append(summarize(system, runs))
     report = {
         "config": {"budget_minutes": args.budget_minutes, "seeds": args.seeds,
                    "systems": [s.name for s in systems], "data": str(args.data),
@@ -545,16 +549,18 @@ def run_study(args) -> dict:
                    "bpe_merges": BPE_MERGES, "shared_model": SHARED_MODEL,
                    "shared_recipe": SHARED_RECIPE, "decoding": DECODING},
         "machine": machine_info(),
-        "runs_wall_seconds": round(sum(r["run_wall_seconds"] for s in summaries
-                                       for r in s["runs"]), 1),
-        "systems": summaries,
+        "runs_wall_seconds": 0.0,
+        "systems": [],
     }
-    results.mkdir(parents=True, exist_ok=True)
-    write_json(results / "study.json", report)
-    tmp = results / "study.md.tmp"
-    tmp.write_text(markdown_report(report))
-    os.replace(tmp, results / "study.md")
-    plot(summaries, results / "study.png")
+    for system in systems:
+        runs = [run_system(system, flags[system.name], seed, data_bin,
+                           runs_root / system.name / f"seed{seed}", args.budget_minutes,
+                           dict_size, runs_root)
+                for seed in range(1, args.seeds + 1)]
+        report["systems"].append(summarize(system, runs))
+        report["runs_wall_seconds"] = round(report["runs_wall_seconds"] + sum(
+            r["run_wall_seconds"] for r in runs), 1)
+        write_reports(report, results)
     log(f"wrote {results}/study.md, study.json and study.png")
     return report
 
