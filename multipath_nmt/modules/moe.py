@@ -29,6 +29,27 @@ from torch import nn
 MAX_PENDING_STATS = 1024
 
 
+class _UniqueIndexSelect(torch.autograd.Function):
+    """``src.index_select(0, index)`` for an index without repeats. Its gradient is a plain copy
+    into zeros; autograd's generic index_select backward accumulates with scatter_add, which on
+    CPU cost more than the rest of the dispatch and combine together."""
+
+    @staticmethod
+    def forward(ctx, src, index):
+        ctx.save_for_backward(index)
+        ctx.src_shape = src.shape
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.src_shape).index_copy_(0, index, grad), None
+
+
+def unique_index_select(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _UniqueIndexSelect.apply(src, index)
+
+
 @dataclass
 class RoutingStats:
     """Statistics of one routing call (the shared protocol of MoE-style layers)."""
@@ -73,7 +94,7 @@ class Routing:
                              f"{tokens.size(0)}; reuse a routing only for the same tokens")
         # Copy each token once per rank, then pick the kept assignments: every index is unique,
         # so forward and backward are deterministic (no atomic accumulation).
-        per_assignment = tokens.repeat(self.top_k, 1).index_select(0, self.assignment_index)
+        per_assignment = unique_index_select(tokens.repeat(self.top_k, 1), self.assignment_index)
         buffer = tokens.new_zeros(self.num_experts * self.capacity, tokens.size(1))
         buffer = buffer.index_copy(0, self.slot_index, per_assignment)
         return buffer.view(self.num_experts, self.capacity, tokens.size(1))
@@ -81,8 +102,8 @@ class Routing:
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         """[E, capacity, d] expert outputs -> [S, d]: sum over kept assignments of gate * output."""
         flat = expert_output.reshape(self.num_experts * self.capacity, -1)
-        weighted = flat.index_select(0, self.slot_index) * self.combine_weight.unsqueeze(1).to(
-            flat.dtype)
+        weighted = unique_index_select(flat, self.slot_index) * self.combine_weight.unsqueeze(
+            1).to(flat.dtype)
         # One row per (rank, token): unique indices again, then a fixed-order sum over ranks.
         per_rank = flat.new_zeros(self.top_k * self.num_tokens, flat.size(1))
         per_rank = per_rank.index_copy(0, self.assignment_index, weighted)
