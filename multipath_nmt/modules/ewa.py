@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multipath_nmt.modules.moe import MoEFeedForward
+from multipath_nmt.modules.moe import MoEFeedForward, unique_index_select
 
 SCHEDULES = ("linear", "constant")
 
@@ -156,13 +156,14 @@ class EWAFeedForward(nn.Module):
         source = token_index[order]
         flat_slot = expert * capacity + slot
         grouped = tokens.new_zeros(self.num_experts * capacity, tokens.shape[-1])
-        grouped = grouped.index_copy(0, flat_slot, tokens[source])
+        grouped = grouped.index_copy(0, flat_slot, unique_index_select(tokens, source))
         grouped = grouped.view(self.num_experts, capacity, -1)
         hidden = torch.baddbmm(self.fc1_bias.unsqueeze(1), grouped, self.fc1_weight.transpose(1, 2))
         hidden = self.activation_dropout(self.activation_fn(hidden))
         out = torch.baddbmm(self.fc2_bias.unsqueeze(1), hidden, self.fc2_weight.transpose(1, 2))
         result = tokens.new_zeros(tokens.shape)
-        result = result.index_copy(0, source, out.reshape(-1, out.shape[-1])[flat_slot])
+        result = result.index_copy(0, source,
+                                   unique_index_select(out.reshape(-1, out.shape[-1]), flat_slot))
         return result.view_as(x)
 
     def ewa_after_step(self, num_updates, master_views):
