@@ -262,13 +262,15 @@ def _time_fwd_bwd(fn, x, device):
 
 
 def _round_robin(fns, x, device, repeats, steps):
-    """Median seconds per fwd+bwd of every function, measured round-robin."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up
-        _time_fwd_bwd(fn, x, device)
+    """Median seconds per fwd+bwd of every function, measured round-robin. ``fns`` maps a name to
+    a function of ``x``, or to a (function, its own input) pair."""
+    calls = {name: fn if isinstance(fn, tuple) else (fn, x) for name, fn in fns.items()}
+    times = {name: [] for name in calls}
+    for fn, inp in calls.values():  # warm-up
+        _time_fwd_bwd(fn, inp, device)
     for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(sum(_time_fwd_bwd(fn, x, device) for _ in range(steps)) / steps)
+        for name, (fn, inp) in calls.items():
+            times[name].append(sum(_time_fwd_bwd(fn, inp, device) for _ in range(steps)) / steps)
     return {name: _summary(values) for name, values in times.items()}
 
 
@@ -315,9 +317,9 @@ def layer_benchmarks(size, device, dtype, repeats, log=print):
         moe.pop_routing_stats()
         return result
 
-    moe_total = _round_robin({"moe": whole_layer}, x, device, repeats, steps)["moe"]
-    experts = _round_robin({"experts": experts_only}, expert_input, device, repeats,
-                           steps)["experts"]
+    timed = _round_robin({"moe": whole_layer, "experts": (experts_only, expert_input)}, x,
+                         device, repeats, steps)
+    moe_total, experts = timed["moe"], timed["experts"]
     overhead = (moe_total["median"] - experts["median"]) / experts["median"]
     out["moe"] = {"layer_s": moe_total, "experts_s": experts, "capacity": routing.capacity,
                   "routing_overhead_fraction": overhead}
