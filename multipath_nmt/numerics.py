@@ -19,6 +19,8 @@ What fairseq 0.12 does on today's PyTorch, and what :func:`install` changes:
 import functools
 import os
 
+import torch
+
 from fairseq.trainer import Trainer
 
 
@@ -70,7 +72,31 @@ def _report_update(train_step):
     return train_step_reporting_update
 
 
+class Fp16NeedsCudaError(RuntimeError):
+    """``--fp16`` on a machine without CUDA."""
+
+
+def _refuse_fp16_without_cuda(init):
+    @functools.wraps(init)
+    def __init__(self, cfg, *args, **kwargs):
+        # fairseq's FP16Optimizer keeps its fp32 master copies on the current CUDA device; without
+        # one it dies deep inside with "Torch not compiled with CUDA enabled".
+        if cfg.common.fp16 and not cfg.common.memory_efficient_fp16 and \
+                not torch.cuda.is_available():
+            raise Fp16NeedsCudaError(
+                "--fp16 needs a CUDA GPU and none is available: drop --fp16 to train in fp32 on "
+                "the CPU (scripts/train.sh does this by itself), or use --memory-efficient-fp16 "
+                "to run half precision on the CPU")
+        init(self, cfg, *args, **kwargs)
+
+    __init__.__multipath_nmt_patched__ = True
+    return __init__
+
+
 def install():
-    """Idempotent: report non-finite updates with their number; skip CPU fp16 overflows."""
+    """Idempotent: report non-finite updates with their number; skip CPU fp16 overflows; refuse
+    --fp16 without CUDA with a clear message."""
     if not getattr(Trainer.train_step, "__multipath_nmt_patched__", False):
         Trainer.train_step = _report_update(Trainer.train_step)
+    if not getattr(Trainer.__init__, "__multipath_nmt_patched__", False):
+        Trainer.__init__ = _refuse_fp16_without_cuda(Trainer.__init__)

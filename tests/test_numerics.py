@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import clean_env
+from conftest import TINY_MODEL, TRAIN_FLAGS, clean_env, run_fairseq
 from helpers.training import SMALL_BATCHES, train_command
 
 from multipath_nmt.modules.moe import MoEFeedForward
@@ -156,3 +156,14 @@ def test_cpu_fp16_overflow_skips_the_update_instead_of_crashing(runs):
     assert "gradient overflow detected, ignoring gradient" in output
     assert "Torch not compiled with CUDA" not in output
     assert "num_updates=4," in output
+
+
+@pytest.mark.slow
+def test_fp16_without_cuda_is_refused_with_a_clear_message(toy_data_bin, tmp_path):
+    proc = run_fairseq("train", toy_data_bin, "--arch", "transformer_prenorm_wmt_en_de",
+                       *TINY_MODEL, *TRAIN_FLAGS, "--fp16", "--max-update", "1",
+                       "--save-dir", tmp_path / "ck", check=False)
+    assert proc.returncode != 0
+    assert "--fp16 needs a CUDA GPU and none is available: drop --fp16" in proc.stderr
+    assert "Torch not compiled with CUDA enabled" not in proc.stderr
+    assert not (tmp_path / "ck" / "checkpoint_last.pt").exists()
