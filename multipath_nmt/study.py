@@ -467,6 +467,7 @@ def plot(summaries: List[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     figure, axes = plt.subplots(figsize=(7.5, 5))
     base = next((s for s in summaries if s["system"] == "base"), None)
+    labels_at = {}  # points that (nearly) coincide get their labels stacked, not overprinted
     for s in summaries:
         colour, marker = FAMILY_STYLE[s["family"]]
         x, y = s["params"] / 1e6, s["mean"]["test_bleu"]
@@ -475,7 +476,10 @@ def plot(summaries: List[dict], path: Path) -> None:
                       alpha=0.35, linewidth=1)
         axes.errorbar(x, y, yerr=s["std"].get("test_bleu"), color=colour, marker=marker,
                       markersize=7, capsize=3, linestyle="none")
-        axes.annotate(s["system"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        stacked = labels_at.setdefault((round(x, 1), round(y, 1)), 0)
+        labels_at[(round(x, 1), round(y, 1))] += 1
+        axes.annotate(s["system"], (x, y), textcoords="offset points",
+                      xytext=(5, 4 + 10 * stacked), fontsize=8)
     for family, (colour, marker) in FAMILY_STYLE.items():
         if any(s["family"] == family for s in summaries):
             axes.plot([], [], color=colour, marker=marker, linestyle="none", label=family)
