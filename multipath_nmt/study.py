@@ -23,6 +23,8 @@ from io import StringIO
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from multipath_nmt.cli import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 LANGS = ("en", "de")
@@ -576,19 +578,12 @@ def _positive_float(value):
     return number
 
 
-def _positive_int(value):
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return number
-
-
 def get_parser():
     parser = argparse.ArgumentParser(prog="study.sh", description=__doc__.split("\n")[0])
     parser.add_argument("--budget-minutes", type=_positive_float, default=8.0,
                         help="training time per system and seed (default 8: the 9 systems, "
                              "preparation and decoding take about 90 minutes on 2 cores)")
-    parser.add_argument("--seeds", type=_positive_int, default=1,
+    parser.add_argument("--seeds", type=positive_int, default=1,
                         help="runs per system with seeds 1..N; the table shows mean and spread")
     parser.add_argument("--data", default=os.environ.get("MULTI30K_DIR", "data/multi30k"),
                         help="folder with Multi30k's train/val/test_2016_flickr.{en,de}[.gz] "
@@ -600,11 +595,11 @@ def get_parser():
                         help="where study.md, study.json and study.png go "
                              "(default: results/multi30k)")
     parser.add_argument("--systems", help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}")
-    parser.add_argument("--max-train-lines", type=_positive_int,
+    parser.add_argument("--max-train-lines", type=positive_int,
                         help="only the first N training pairs (quick runs and tests)")
-    parser.add_argument("--max-eval-lines", type=_positive_int,
+    parser.add_argument("--max-eval-lines", type=positive_int,
                         help="only the first N valid and test pairs (quick runs and tests)")
-    parser.add_argument("--workers", type=_positive_int, default=2,
+    parser.add_argument("--workers", type=positive_int, default=2,
                         help="processes for data preparation (default 2)")
     return parser
 
