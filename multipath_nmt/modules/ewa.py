@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multipath_nmt.modules.moe import MoEFeedForward, unique_index_select
+from multipath_nmt.modules.moe import (MoEFeedForward, init_experts_like_linear_,
+                                        unique_index_select)
 
 SCHEDULES = ("linear", "constant")
 
@@ -114,12 +115,8 @@ class EWAFeedForward(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # each expert initialised like an independent nn.Linear
         for weight, bias in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
-            bound = 1.0 / math.sqrt(weight.shape[-1])
-            for expert in range(self.num_experts):
-                nn.init.kaiming_uniform_(weight[expert], a=math.sqrt(5))
-            nn.init.uniform_(bias, -bound, bound)
+            init_experts_like_linear_(weight, bias, weight.shape[-1])  # [E, out, in]
 
     def expert_parameters(self):
         return [self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias]

@@ -110,6 +110,15 @@ class Routing:
         return per_rank.view(self.top_k, self.num_tokens, -1).sum(0)
 
 
+def init_experts_like_linear_(weight: torch.Tensor, bias: torch.Tensor, fan_in: int) -> None:
+    """Stacked expert weights and biases drawn as each expert's nn.Linear(fan_in, ...) draws
+    them: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (the same numbers as kaiming_uniform_(a=sqrt(5))
+    expert by expert)."""
+    bound = 1.0 / math.sqrt(fan_in)
+    nn.init.uniform_(weight, -bound, bound)
+    nn.init.uniform_(bias, -bound, bound)
+
+
 def expert_capacity(capacity_factor: float, k: int, routed_tokens: int, num_experts: int) -> int:
     """ceil(C * k * S / E), in exact arithmetic (1.2 * 2 * 10 / 4 is 6, not 6.000000000000001)."""
     exact = Fraction(capacity_factor).limit_denominator(10 ** 6) * k * routed_tokens / num_experts
@@ -239,12 +248,8 @@ class MoEFeedForward(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # Each expert initialised like an nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-        for weight, bias, fan_in in ((self.fc1_weight, self.fc1_bias, self.embed_dim),
-                                     (self.fc2_weight, self.fc2_bias, self.ffn_dim)):
-            bound = 1.0 / math.sqrt(fan_in)
-            nn.init.uniform_(weight, -bound, bound)
-            nn.init.uniform_(bias, -bound, bound)
+        init_experts_like_linear_(self.fc1_weight, self.fc1_bias, self.embed_dim)
+        init_experts_like_linear_(self.fc2_weight, self.fc2_bias, self.ffn_dim)
 
     @staticmethod
     def _flatten(x: torch.Tensor, padding_mask: Optional[torch.Tensor]):

@@ -13,23 +13,15 @@ A chosen projection (fc1 "up", fc2 "down" or both) holds M weight matrices W_1..
 Every module takes time-major x [T, B, d] and padding_mask [B, T] (True = padding) or None, like
 fairseq's encoder layers and :class:`multipath_nmt.modules.moe.MoEFeedForward`.
 """
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multipath_nmt.modules.moe import TopKRouter
+from multipath_nmt.modules.moe import TopKRouter, init_experts_like_linear_
 
 PROJECTIONS = ("up", "down", "both")
 MODES = ("routed", "dynamic")
-
-
-def _init_like_linear(weight, bias):
-    bound = 1.0 / math.sqrt(weight.shape[-1])
-    for expert in range(weight.shape[0]):
-        nn.init.kaiming_uniform_(weight[expert], a=math.sqrt(5))
-    nn.init.uniform_(bias, -bound, bound)
 
 
 def masked_mean(x, padding_mask):
@@ -56,7 +48,7 @@ class DynamicLinear(nn.Module):
         hidden = max(in_features // reduction, num_experts)
         self.coefficients = nn.Sequential(
             nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_experts))
-        _init_like_linear(self.weight, self.bias)
+        init_experts_like_linear_(self.weight, self.bias, in_features)
 
     def mixing_weights(self, x, padding_mask):
         """alpha [B, M], computed in fp32."""
@@ -81,7 +73,7 @@ class RoutedLinear(nn.Module):
                                  noise=router_noise)
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features))
-        _init_like_linear(self.weight, self.bias)
+        init_experts_like_linear_(self.weight, self.bias, in_features)
 
     def forward(self, x, padding_mask=None):
         """Returns (y, kept): kept [T, B] bool marks the tokens the capacity let through;
