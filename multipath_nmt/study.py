@@ -438,13 +438,17 @@ def markdown_report(report: dict) -> str:
     spread = " (mean ± sample std over seeds)" if seeds > 1 else ""
     signature = next((r["sacrebleu_signature"] for s in report["systems"] for r in s["runs"]),
                      "")
+    usable = machine.get("usable_cpus", machine["cpus"])
+    usable = f" ({usable} usable by the study)" if usable < machine["cpus"] else ""
+    threads = machine["torch_threads"]
+    threads = f"{threads} thread" + ("s" if threads != 1 else "")
     lines = [
         "# Multi30k En-De: width vs depth at equal parameters", "",
         f"Budget {config['budget_minutes']:g} min of training per system "
         f"(fairseq --stop-time-hours), {seeds} seed(s){spread}; data {config['data_tag']} "
         f"(BPE {BPE_MERGES} merges, joined dictionary of {config['dict_size']} types). "
-        f"Machine: {machine['cpu']}, {machine['cpus']} CPUs, torch {machine['torch']} with "
-        f"{machine['torch_threads']} threads. Wall time of all runs (training, averaging, "
+        f"Machine: {machine['cpu']}, {machine['cpus']} CPUs{usable}, torch {machine['torch']} "
+        f"with {threads}. Wall time of all runs (training, averaging, "
         f"translation, scoring): {report['runs_wall_seconds'] / 60:.1f} min.", "",
         markdown_table(report["systems"]),
         "BLEU: tokenized multi-bleu (`multipath-score`, no compound split) of the averaged last "
@@ -507,7 +511,9 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
+    # CPUs this process may run on (taskset/cgroups), which can be fewer than the machine has
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cpus": os.cpu_count(), "usable_cpus": usable, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "platform": platform.platform()}
 

@@ -1,5 +1,6 @@
 """The Multi30k study (examples/multi30k/study.sh, multipath_nmt/study.py)."""
 import json
+import os
 import re
 import sys
 
@@ -143,3 +144,16 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     assert "already prepared" in second and "training" not in second
     again = json.loads((results / "study.json").read_text())
     assert {s["system"]: s["runs"] for s in again["systems"]} == before
+
+
+@pytest.mark.parametrize("usable,threads,expected", [
+    (1, 1, "Machine: AMD EPYC, 2 CPUs (1 usable by the study), torch 2.13.0 with 1 thread."),
+    (2, 2, "Machine: AMD EPYC, 2 CPUs, torch 2.13.0 with 2 threads."),
+])
+def test_report_says_how_many_cpus_and_threads_the_study_had(usable, threads, expected):
+    report = {"config": {"budget_minutes": 8.0, "seeds": 1, "data_tag": "full", "dict_size": 10},
+              "machine": {"cpu": "AMD EPYC", "cpus": 2, "usable_cpus": usable,
+                          "torch": "2.13.0", "torch_threads": threads},
+              "runs_wall_seconds": 60.0, "systems": []}
+    assert expected in study.markdown_report(report)
+    assert study.machine_info()["usable_cpus"] == len(os.sched_getaffinity(0))
