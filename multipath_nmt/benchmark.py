@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,9 @@ class System:
     criterion: str = "label_smoothed_cross_entropy"
     compare_to: str = ""  # the system whose throughput this one is judged against
     group: str = ""
+    # the multi-path encoder layers swapped for the loop-over-modules reference (same weights):
+    # an implementation to compare with, not an architecture
+    loop_reference: bool = False
 
 
 def systems_for(size):
@@ -58,6 +62,9 @@ def systems_for(size):
         System("multi-path L x 4 (+cheap features)", mp,
                [f"--encoder-layers={L}", "--encoder-paths=4", "--cheap-features"],
                compare_to="multi-path L x 4 (plain)", group="multi-path"),
+        System("multi-path L x 4 (loop reference)", mp,
+               [f"--encoder-layers={L}", "--encoder-paths=4"],
+               compare_to="multi-path L x 4 (full)", group="multi-path", loop_reference=True),
         System("multi-path L x 4 (plain)", mp,
                [f"--encoder-layers={L}", "--encoder-paths=4", "--no-path-norm",
                 "--path-weights=fixed"], compare_to="stock deep 4L", group="multi-path"),
@@ -126,7 +133,20 @@ def fake_data_dir(vocab):
         yield folder
 
 
-def build_trainer(data_dir, flags, device, fp16):
+def use_loop_reference(model, args):
+    """Swap the model's batched multi-path encoder layers for the loop-over-modules reference
+    layers (``multipath_nmt.modules.multipath_reference``) holding the same weights."""
+    from multipath_nmt.models.multipath_transformer import _path_options
+    from multipath_nmt.modules.multipath_reference import ReferenceMultiPathEncoderLayer
+
+    for index, layer in enumerate(model.encoder.layers):
+        reference = ReferenceMultiPathEncoderLayer(
+            args.encoder_embed_dim, args.encoder_ffn_embed_dim, args.encoder_attention_heads,
+            args.encoder_paths, **_path_options(args))
+        model.encoder.layers[index] = reference.load_batched_state_dict(layer.state_dict())
+
+
+def build_trainer(data_dir, flags, device, fp16, loop_reference=False):
     """fairseq's own parser, task, model, criterion and Trainer, as fairseq-train builds them."""
     import multipath_nmt  # noqa: F401  (registers archs)
     from fairseq import options, tasks
@@ -141,6 +161,8 @@ def build_trainer(data_dir, flags, device, fp16):
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
+    if loop_reference:
+        use_loop_reference(model, args)
     criterion = task.build_criterion(cfg.criterion)
     return Trainer(cfg, task, model, criterion), task
 
@@ -244,11 +266,12 @@ def beam_search_speed(trainer, task, size, device, repeats):
     return rates
 
 
-def peak_memory_of_step(flags, size, device, fp16):
+def peak_memory_of_step(flags, size, device, fp16, loop_reference=False):
     """Peak memory of one training step, measured in a fresh process (CPU: peak RSS, reset via
     /proc/self/clear_refs right before the step; CUDA: max_memory_allocated)."""
     cmd = [sys.executable, "-m", "multipath_nmt.benchmark", "--memory-probe",
-           json.dumps({"flags": flags, "size": size, "device": device, "fp16": fp16})]
+           json.dumps({"flags": flags, "size": size, "device": device, "fp16": fp16,
+                       "loop_reference": loop_reference})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"memory probe failed:\n{proc.stderr[-3000:]}")
@@ -260,7 +283,8 @@ def _memory_probe(spec):
     if device == "cpu":
         keep_freed_memory()
     with fake_data_dir(size["vocab"]) as data:
-        trainer, task = build_trainer(data, spec["flags"], device, spec["fp16"])
+        trainer, task = build_trainer(data, spec["flags"], device, spec["fp16"],
+                                      spec["loop_reference"])
         sample = synthetic_batch(size, len(task.source_dictionary))
         trainer.train_step([sample])  # allocate optimizer state and caches
         if device == "cuda":
@@ -371,7 +395,7 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
         built = {}
         for system in systems:
             flags = fairseq_flags(size, system)
-            trainer, task = build_trainer(data, flags, device, fp16)
+            trainer, task = build_trainer(data, flags, device, fp16, system.loop_reference)
             sample = synthetic_batch(size, len(task.source_dictionary))
             flops = training_flops_per_token(trainer, sample)
             trainer.train_step([sample])  # warm-up: optimizer state, allocator, caches
@@ -380,7 +404,8 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
                            if hasattr(m, "inactive_parameter_count"))
             built[system.name] = (trainer, task, sample)
             results[system.name] = dict(arch=system.arch, flags=system.flags, group=system.group,
-                                        compare_to=system.compare_to, params=params,
+                                        compare_to=system.compare_to,
+                                        loop_reference=system.loop_reference, params=params,
                                         active_params=params - inactive,
                                         train_flops_per_token=flops, tokens_per_s=[])
             log(f"built {system.name}: {params / 1e6:.2f}M params, "
@@ -405,13 +430,13 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
     if memory:
         for system in systems:
             results[system.name]["peak_memory_mib"] = peak_memory_of_step(
-                fairseq_flags(size, system), size, device, fp16)
+                fairseq_flags(size, system), size, device, fp16, system.loop_reference)
     return {
         "size": size_name, "shape": size, "device": device,
         "dtype": str(dtype).replace("torch.", ""),
         "machine": machine_description(device), "matmul_peak_flops": peak,
         "heap_allocator": heap_allocator,
-        "command": " ".join(["multipath-bench", *sys.argv[1:]]), "systems": results,
+        "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results,
         "layers": layers,
     }
 
@@ -448,11 +473,13 @@ def evaluate_targets(result):
     for n, row in sorted(paths.items(), key=lambda kv: int(kv[0])):
         target(3, f"batched vs loop reference, {n} paths (one encoder layer, fwd+bwd)",
                row["speedup"], 1.0 if int(n) <= 2 else 1.05)
+    target(3, "batched vs loop reference, 4 paths (whole model, training step)",
+           _ratio(result, "multi-path L x 4 (full)", "multi-path L x 4 (loop reference)"), 1.05)
     systems = result["systems"]
     stock = systems.get("stock prenorm L", {}).get("mfu")
     if stock:
         for name, row in systems.items():
-            if name != "stock prenorm L":
+            if name != "stock prenorm L" and not row.get("loop_reference"):
                 target(4, f"MFU of {name} vs stock fairseq", row["mfu"] / stock, 0.95)
     target(5, "MoE router + dispatch + combine, fraction of the experts' time",
            result["layers"]["moe"]["routing_overhead_fraction"], 0.15, higher_is_better=False)
@@ -487,9 +514,8 @@ def markdown_report(result):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result["systems"].items():
-        versus = ""
-        if r["compare_to"]:
-            versus = f"{_ratio(result, name, r['compare_to']):.2f}x {r['compare_to']}"
+        ratio = _ratio(result, name, r["compare_to"]) if r["compare_to"] else None
+        versus = "" if ratio is None else f"{ratio:.2f}x {r['compare_to']}"  # None: not measured
         beam = _spread(r["beam_sentences_per_s"], fmt="{:.1f}") if "beam_sentences_per_s" in r \
             else ""
         memory = f"{r['peak_memory_mib']:.0f}" if "peak_memory_mib" in r else ""

@@ -9,7 +9,9 @@ from conftest import run_cli
 
 @pytest.mark.slow
 def test_bench_tiny_writes_consistent_reports(tmp_path):
-    systems = ["stock prenorm L", "stock deep 4L", "multi-path L x 4 (full)"]
+    # "+cheap features" is judged against the plain system, which --only leaves out here
+    systems = ["stock prenorm L", "stock deep 4L", "multi-path L x 4 (full)",
+               "multi-path L x 4 (+cheap features)"]
     run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--size", "tiny", "--no-memory",
              "--out", tmp_path, "--only", *systems])
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -27,6 +29,9 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
     assert {1, 3, 4, 5, 6} <= targets  # target 2 needs the plain system, not measured here
     markdown = (tmp_path / "bench.md").read_text()
     assert "| 1. multi-path L x 4 tokens/s vs deep 4L" in markdown
+    cheap_row = next(line for line in markdown.splitlines()
+                     if "| multi-path L x 4 (+cheap features) |" in line)
+    assert cheap_row.split("|")[7].strip() == ""  # its "vs" cell: the plain system was not run
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -70,3 +75,39 @@ def test_keep_freed_memory_stops_page_faulting_large_tensors_in_anew():
     pages = (64 << 20) // 4096
     assert faults["default"] >= 9 * pages
     assert faults["keep"] <= pages + 64
+
+
+def test_loop_reference_system_is_the_same_model_with_reference_layers():
+    """The whole-model target-3 comparison is fair only if both systems compute the same
+    function: same loss and same gradients, through the loop-over-modules layers."""
+    import copy
+
+    import torch
+
+    from multipath_nmt import benchmark
+    from multipath_nmt.modules.multipath_reference import ReferenceMultiPathEncoderLayer
+
+    size = benchmark.SIZES["tiny"]
+    system = next(s for s in benchmark.systems_for(size)
+                  if s.name == "multi-path L x 4 (loop reference)")
+    assert system.loop_reference and system.compare_to == "multi-path L x 4 (full)"
+    with benchmark.fake_data_dir(size["vocab"]) as data:
+        trainer, task = benchmark.build_trainer(data, benchmark.fairseq_flags(size, system), "cpu",
+                                                False)
+    batched = trainer.model.eval()
+    reference = copy.deepcopy(batched)
+    benchmark.use_loop_reference(reference, trainer.cfg.model)
+    reference.eval()  # the new layers start in training mode, as modules do
+    assert all(isinstance(layer, ReferenceMultiPathEncoderLayer)
+               for layer in reference.encoder.layers)
+    sample = benchmark.synthetic_batch(size, len(task.source_dictionary))
+    losses = []
+    for model in (batched, reference):
+        loss, _, _ = trainer.criterion(model, sample)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for layer, ref_layer in zip(batched.encoder.layers, reference.encoder.layers):
+        grads = ref_layer.batched_gradients()
+        for name, param in layer.named_parameters():
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-5)
