@@ -17,6 +17,10 @@ from multipath_nmt.modules.multipath_reference import (
 )
 
 D, FFN, HEADS = 16, 24, 4
+# Equivalences are checked in float64: rounding is then ~1e-15, so a tolerance of 1e-10 is immune
+# to how a machine's BLAS orders its sums (fp32 differences of 1e-6 come and go with the CPU) and
+# still catches any real difference between the implementations.
+EXACT = dict(atol=1e-10, rtol=1e-10)
 
 
 def _randomize_(module):
@@ -28,15 +32,15 @@ def _randomize_(module):
     return module
 
 
-def _pair(layer_cls, reference_cls, **options):
-    reference = _randomize_(reference_cls(D, FFN, HEADS, **options))
-    batched = layer_cls(D, FFN, HEADS, **options)
+def _pair(layer_cls, reference_cls, dtype=torch.float64, **options):
+    reference = _randomize_(reference_cls(D, FFN, HEADS, **options)).to(dtype)
+    batched = layer_cls(D, FFN, HEADS, **options).to(dtype)
     batched.load_state_dict(reference.batched_state_dict())
     return batched.eval(), reference.eval()
 
 
-def _inputs(T=7, B=3):
-    x = torch.randn(T, B, D)
+def _inputs(T=7, B=3, dtype=torch.float64):
+    x = torch.randn(T, B, D, dtype=dtype)
     padding = torch.zeros(B, T, dtype=torch.bool)
     padding[1, -2:] = True  # right padding
     padding[2, :3] = True  # left padding (fairseq's source side)
@@ -46,7 +50,7 @@ def _inputs(T=7, B=3):
 def _assert_close_grads(batched, reference):
     expected = reference.batched_gradients()
     for name, p in batched.named_parameters():
-        torch.testing.assert_close(p.grad, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(p.grad, expected[name], **EXACT, msg=name)
     assert set(expected) >= {n for n, _ in batched.named_parameters()}
 
 
@@ -63,11 +67,11 @@ def test_encoder_layer_matches_reference_outputs_and_gradients(options):
     x_batched, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_batched = batched(x_batched, padding)
     out_reference = reference(x_reference, padding)
-    torch.testing.assert_close(out_batched, out_reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_batched, out_reference, **EXACT)
     upstream = torch.randn_like(out_batched)
     (out_batched * upstream).sum().backward()
     (out_reference * upstream).sum().backward()
-    torch.testing.assert_close(x_batched.grad, x_reference.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x_batched.grad, x_reference.grad, **EXACT)
     _assert_close_grads(batched, reference)
 
 
@@ -86,11 +90,11 @@ def test_decoder_layer_matches_reference_outputs_and_gradients(options):
     x_batched, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_batched = batched(x_batched, encoder_out, source_padding, future, target_padding)
     out_reference = reference(x_reference, encoder_out, source_padding, future, target_padding)
-    torch.testing.assert_close(out_batched, out_reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_batched, out_reference, **EXACT)
     upstream = torch.randn_like(out_batched)
     (out_batched * upstream).sum().backward()
     (out_reference * upstream).sum().backward()
-    torch.testing.assert_close(x_batched.grad, x_reference.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x_batched.grad, x_reference.grad, **EXACT)
     _assert_close_grads(batched, reference)
 
 
@@ -106,14 +110,14 @@ def test_weights_round_trip_between_batched_and_reference():
 @pytest.mark.parametrize("num_paths,cheap", [(1, False), (3, False), (3, True)])
 def test_incremental_decoding_equals_full_sequence(num_paths, cheap):
     layer = _randomize_(MultiPathDecoderLayer(D, FFN, HEADS, num_paths,
-                                              cheap_features=cheap)).eval()
+                                              cheap_features=cheap)).double().eval()
     x, _ = _inputs(T=5)
     encoder_out, source_padding = _inputs(T=8)
     future = torch.triu(torch.full((5, 5), float("-inf")), 1)
     full = layer(x, encoder_out, source_padding, future)
     cache = {}
     steps = [layer(x[t:t + 1], encoder_out, source_padding, cache=cache) for t in range(5)]
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.cat(steps), full, **EXACT)
     assert cache["self_attn"]["key"].shape == (3, num_paths * HEADS, 5, D // HEADS)
 
 
@@ -125,9 +129,9 @@ def test_one_path_without_path_norm_is_fairseqs_prenorm_encoder_layer():
     args = Namespace(encoder_embed_dim=D, encoder_ffn_embed_dim=FFN,
                      encoder_attention_heads=HEADS, encoder_normalize_before=True, dropout=0.0,
                      attention_dropout=0.0, activation_dropout=0.0, activation_fn="relu")
-    fairseq_layer = _randomize_(TransformerEncoderLayer(args)).eval()
+    fairseq_layer = _randomize_(TransformerEncoderLayer(args)).double().eval()
     layer = MultiPathEncoderLayer(D, FFN, HEADS, 1, path_norm=False,
-                                  learnable_weights=False).eval()
+                                  learnable_weights=False).double().eval()
     assert layer.self_attn_mixer.path_weights.tolist() == [1.0]
     assert layer.ffn_mixer.residual_weight.item() == 1.0
     attn = fairseq_layer.self_attn
@@ -153,8 +157,7 @@ def test_one_path_without_path_norm_is_fairseqs_prenorm_encoder_layer():
     })
     x, padding = _inputs()
     with torch.no_grad():
-        torch.testing.assert_close(layer(x, padding), fairseq_layer(x, padding),
-                                   atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(layer(x, padding), fairseq_layer(x, padding), **EXACT)
 
 
 @pytest.mark.parametrize("num_paths,path_norm,cheap,expected", [
@@ -202,10 +205,10 @@ def test_path_norm_half_precision_does_not_overflow():
 
 
 def test_layers_run_in_half_precision_and_bf16_autocast():
-    batched, _ = _pair(MultiPathDecoderLayer, ReferenceMultiPathDecoderLayer, num_paths=3,
-                       cheap_features=True)
-    x, _ = _inputs(T=5)
-    encoder_out, source_padding = _inputs(T=8)
+    batched, _ = _pair(MultiPathDecoderLayer, ReferenceMultiPathDecoderLayer, torch.float32,
+                       num_paths=3, cheap_features=True)
+    x, _ = _inputs(T=5, dtype=torch.float32)
+    encoder_out, source_padding = _inputs(T=8, dtype=torch.float32)
     future = torch.triu(torch.full((5, 5), float("-inf")), 1)
     expected = batched(x, encoder_out, source_padding, future)
     with torch.autocast("cpu", dtype=torch.bfloat16):
