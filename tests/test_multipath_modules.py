@@ -9,7 +9,6 @@ from multipath_nmt.modules.multipath import (
     MultiPathDecoderLayer,
     MultiPathEncoderLayer,
     PathMixer,
-    PathNorm,
 )
 from multipath_nmt.modules.multipath_reference import (
     ReferenceMultiPathDecoderLayer,
@@ -195,11 +194,13 @@ def test_cheap_features_are_averages_of_the_other_paths():
         torch.testing.assert_close(features[4 + j], others)
 
 
-def test_path_norm_half_precision_does_not_overflow():
-    norm = _randomize_(PathNorm(3, D))
-    features = 2000 * torch.randn(3, 5, 2, D)  # squares overflow fp16 (max 65504)
-    expected = norm(features)
-    got = norm.half()(features.half())
+@pytest.mark.parametrize("cheap", [False, True])
+def test_path_norm_half_precision_does_not_overflow(cheap):
+    mixer = _randomize_(PathMixer(3, D, cheap_features=cheap)).eval()
+    paths = 2000 * torch.randn(3, 5, 2, D)  # squares overflow fp16 (max 65504)
+    residual = torch.randn(5, 2, D)
+    expected = mixer(paths, residual)
+    got = mixer.half()(paths.half(), residual.half())
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
 

@@ -41,23 +41,15 @@ def fixed_path_weight(num_features: int, path_norm: bool) -> float:
 
 
 class PathNorm(nn.Module):
-    """PathNorm (Lin et al., 2022): a LayerNorm at the end of each path, LN_f(H_f), with
-    its own affine per path. Input is path-major, [F, ..., d]; statistics are computed in fp32 so
-    half-precision inputs with large activations do not overflow."""
+    """The parameters of PathNorm (Lin et al., 2022), a LayerNorm at the end of each feature:
+    LN_f(H_f) = gamma_f * (H_f - mean) / sqrt(var + eps) + beta_f, an affine pair per feature.
+    :meth:`PathMixer.normalized_sum` applies it fused with the weighted sum over features."""
 
     def __init__(self, num_features: int, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(num_features, dim))
         self.bias = nn.Parameter(torch.zeros(num_features, dim))
-
-    def forward(self, features: Tensor) -> Tensor:
-        shape = (features.size(0),) + (1,) * (features.dim() - 2) + (features.size(-1),)
-        low_precision = features.dtype in (torch.float16, torch.bfloat16)
-        normalized = F.layer_norm(features.float() if low_precision else features,
-                                  features.shape[-1:], eps=self.eps).to(features.dtype)
-        return torch.addcmul(self.bias.view(shape).to(features.dtype), normalized,
-                             self.weight.view(shape).to(features.dtype))
 
 
 class PathMixer(nn.Module):
@@ -91,15 +83,40 @@ class PathMixer(nn.Module):
         others = (paths.sum(0, keepdim=True) - paths) / (self.num_paths - 1)
         return torch.cat([paths, others], 0)
 
+    def normalized_sum(self, paths: Tensor) -> Tensor:
+        """sum_f alpha_f * PathNorm_f(H_f), with alpha_f * gamma_f as the weight of feature f's
+        LayerNorm: one fused kernel per feature forward and backward, where an affine PathNorm
+        followed by a weighted sum costs autograd several more passes over every feature.
+        Statistics of half-precision paths are computed in fp32 (their squares overflow fp16)."""
+        dtype = torch.float32 if paths.dtype in (torch.float16, torch.bfloat16) else paths.dtype
+        norm, n = self.path_norm, self.num_paths
+        with torch.autocast(paths.device.type, enabled=False):
+            paths = paths.to(dtype)
+            weights = self.path_weights.to(dtype)
+            scales = weights[:, None] * norm.weight.to(dtype)
+            features = list(paths.unbind(0))
+            eps = [norm.eps] * n
+            if self.cheap_features:
+                # LN((S - P_j) / (n - 1)) with eps equals LN(S - P_j) with eps * (n - 1)^2:
+                # the averages' division is folded into eps (S = sum of the paths).
+                features += (paths.sum(0) - paths).unbind(0)
+                eps += [norm.eps * (n - 1) ** 2] * n
+            mixed = weights @ norm.bias.to(dtype)
+            for feature, scale, feature_eps in zip(features, scales, eps):
+                mixed = mixed + F.layer_norm(feature, feature.shape[-1:], scale, None, feature_eps)
+        return mixed
+
     def forward(self, paths: Tensor, residual: Tensor) -> Tensor:
-        features = self.features(paths)
-        if self.path_norm is not None:
-            features = self.path_norm(features)
-        mixed = torch.tensordot(self.path_weights.to(features.dtype), features, dims=1)
+        """``paths`` [n, ..., d], ``residual`` [..., d]."""
+        if self.path_norm is None:
+            mixed = torch.tensordot(self.path_weights.to(paths.dtype), self.features(paths),
+                                    dims=1)
+        else:
+            mixed = self.normalized_sum(paths).to(paths.dtype)
         # Dropout on the mixed sublayer output, where fairseq's pre-norm layer drops the sublayer
         # output before the residual sum: one mask per token, not one per path.
         mixed = F.dropout(mixed, self.dropout, self.training)
-        return self.residual_weight.to(residual.dtype) * residual + mixed
+        return torch.addcmul(mixed, residual, self.residual_weight.to(residual.dtype))
 
 
 def _padding_concat(previous: Optional[Tensor], current: Optional[Tensor], batch: int,
