@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multipath_nmt.modules.moe import (MoEFeedForward, init_experts_like_linear_,
-                                        unique_index_select)
+from multipath_nmt.modules.moe import MoEFeedForward, SlotPlan, init_experts_like_linear_
 
 SCHEDULES = ("linear", "constant")
 
@@ -150,21 +149,17 @@ class EWAFeedForward(nn.Module):
             token_index = (~padding.reshape(-1)).nonzero().squeeze(1)
         order, expert, slot = uniform_partition(token_index.numel(), self.num_experts, x.device)
         capacity = max(1, math.ceil(token_index.numel() / self.num_experts))
-        source = token_index[order]
-        flat_slot = expert * capacity + slot
-        grouped = tokens.new_zeros(self.num_experts * capacity, tokens.shape[-1])
-        grouped = grouped.index_copy(0, flat_slot, unique_index_select(tokens, source))
-        grouped = grouped.view(self.num_experts, capacity, -1)
+        plan = SlotPlan.build(tokens.shape[0], 1, self.num_experts * capacity, token_index[order],
+                              expert * capacity + slot)
+        grouped = plan.dispatch(tokens).view(self.num_experts, capacity, -1)
         # Transposed products, hidden^T = W x^T: the weight gradients then come out in the
         # weights' own [E, out, in] layout, where x W^T gave them transposed and autograd copied
         # them into place (a strided copy of every expert matrix, ~10% of the FFN's backward).
         hidden = torch.baddbmm(self.fc1_bias.unsqueeze(2), self.fc1_weight, grouped.transpose(1, 2))
         hidden = self.activation_dropout(self.activation_fn(hidden))
         out = torch.baddbmm(self.fc2_bias.unsqueeze(2), self.fc2_weight, hidden).transpose(1, 2)
-        result = tokens.new_zeros(tokens.shape)
-        result = result.index_copy(0, source,
-                                   unique_index_select(out.reshape(-1, out.shape[-1]), flat_slot))
-        return result.view_as(x)
+        # padding tokens are in no group: their weight is 0 and their output zero
+        return plan.combine(out.reshape(-1, out.shape[-1]), plan.kept).view_as(x)
 
     def ewa_after_step(self, num_updates, master_views):
         share_rate = self.schedule.share_rate_at(num_updates)

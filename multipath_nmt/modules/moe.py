@@ -29,25 +29,108 @@ from torch import nn
 MAX_PENDING_STATS = 1024
 
 
-class _UniqueIndexSelect(torch.autograd.Function):
-    """``src.index_select(0, index)`` for an index without repeats. Its gradient is a plain copy
-    into zeros; autograd's generic index_select backward accumulates with scatter_add, which on
-    CPU cost more than the rest of the dispatch and combine together."""
+@dataclass
+class SlotPlan:
+    """Where the kept (token, rank) assignments of S tokens with k ranks each sit in a flat
+    [E * capacity] expert buffer, as two gather maps (no scatter: on CPU, index_add/scatter_add
+    cost more than the rest of the dispatch and combine, and gathers are deterministic).
+
+    Assignments are numbered token-major (token * k + rank). An empty slot maps to token 0 and a
+    dropped assignment to slot 0: what is gathered there is never used, because every sum over a
+    token's assignments weighs it by ``kept`` (0 or 1 per assignment).
+    """
+
+    token_of_slot: torch.Tensor  # long [E * capacity]
+    slot_of_assignment: torch.Tensor  # long [S * k]
+    kept: torch.Tensor  # fp32 [S, k]: 1 for kept assignments, 0 for dropped ones and padding
+    kept_assignments: torch.Tensor  # long [N]: the kept assignments (token-major numbers)
+    kept_slots: torch.Tensor  # long [N]: their slots
+
+    @classmethod
+    def build(cls, num_tokens: int, top_k: int, num_slots: int, kept_assignments: torch.Tensor,
+              kept_slots: torch.Tensor) -> "SlotPlan":
+        def zeros(size):
+            return torch.zeros(size, dtype=torch.long, device=kept_slots.device)
+
+        return cls(
+            token_of_slot=zeros(num_slots).index_copy_(0, kept_slots,
+                                                       kept_assignments // top_k),
+            slot_of_assignment=zeros(num_tokens * top_k).index_copy_(0, kept_assignments,
+                                                                     kept_slots),
+            kept=torch.zeros(num_tokens * top_k, device=kept_slots.device).index_fill_(
+                0, kept_assignments, 1.0).view(num_tokens, top_k),
+            kept_assignments=kept_assignments, kept_slots=kept_slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kept.size(0)
+
+    def dispatch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[S, d] tokens -> [E * capacity, d] expert inputs."""
+        return _Dispatch.apply(tokens, self)
+
+    def combine(self, expert_output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[E * capacity, d] expert outputs -> [S, d]: sum over each token's assignments of
+        weight * output; ``weights`` [S, k] must be 0 where ``kept`` is."""
+        return _Combine.apply(expert_output, weights, self)
+
+    def _gather_slots(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.index_select(0, self.token_of_slot)
+
+    def _sum_assignments(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_r weights[t, r] * rows[slot of (t, r)] for every token t, in a fixed order."""
+        gathered = rows.index_select(0, self.slot_of_assignment).view(
+            self.num_tokens, -1, rows.size(1))
+        return torch.bmm(weights.to(rows.dtype).unsqueeze(1), gathered).squeeze(1)
+
+    def _slot_weights(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight of the assignment in each slot, 0 for empty slots."""
+        return torch.zeros(self.token_of_slot.size(0), dtype=dtype,
+                           device=weights.device).index_copy_(
+            0, self.kept_slots, weights.reshape(-1).index_select(0, self.kept_assignments).to(dtype))
+
+
+class _Dispatch(torch.autograd.Function):
+    """out[slot] = tokens[token of slot]; gradient: each token sums its kept slots' gradients."""
 
     @staticmethod
-    def forward(ctx, src, index):
-        ctx.save_for_backward(index)
-        ctx.src_shape = src.shape
-        return src.index_select(0, index)
+    def forward(ctx, tokens, plan):
+        ctx.plan = plan
+        with torch.autocast(tokens.device.type, enabled=False):
+            return plan._gather_slots(tokens)
 
     @staticmethod
     def backward(ctx, grad):
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.src_shape).index_copy_(0, index, grad), None
+        with torch.autocast(grad.device.type, enabled=False):
+            return ctx.plan._sum_assignments(grad, ctx.plan.kept), None
 
 
-def unique_index_select(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return _UniqueIndexSelect.apply(src, index)
+class _Combine(torch.autograd.Function):
+    """out[t] = sum_r weights[t, r] * expert_output[slot of (t, r)]; gradient: each slot gets its
+    token's gradient times its weight (0 for empty slots), each weight the dot product of its
+    token's gradient with its slot's output."""
+
+    @staticmethod
+    def forward(ctx, expert_output, weights, plan):
+        ctx.plan = plan
+        with torch.autocast(expert_output.device.type, enabled=False):
+            ctx.save_for_backward(expert_output, weights)
+            return plan._sum_assignments(expert_output, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        expert_output, weights = ctx.saved_tensors
+        plan = ctx.plan
+        with torch.autocast(grad.device.type, enabled=False):
+            grad_output = plan._gather_slots(grad).mul_(
+                plan._slot_weights(weights, grad.dtype).unsqueeze(1))
+            grad_weights = None
+            if ctx.needs_input_grad[1]:
+                gathered = expert_output.index_select(0, plan.slot_of_assignment).view(
+                    plan.num_tokens, -1, expert_output.size(1))
+                grad_weights = torch.bmm(gathered, grad.unsqueeze(2)).view_as(weights).to(
+                    weights.dtype)
+        return grad_output, grad_weights, None
 
 
 @dataclass
@@ -63,18 +146,17 @@ class RoutingStats:
 
 @dataclass
 class Routing:
-    """One routing decision and its index-based dispatch plan.
+    """One routing decision and its dispatch plan.
 
-    Assignments are numbered rank-major: assignment a = rank * S + token. The kept ones are
-    listed in ``assignment_index`` with their expert-buffer slot (expert * capacity + position)
-    and their gate value.
+    Assignments are numbered rank-major here: assignment a = rank * S + token. The kept ones are
+    listed in ``assignment_index`` with their expert-buffer slot (expert * capacity + position).
     """
 
     expert_index: torch.Tensor  # long [S, k]: chosen experts, best first
     gates: torch.Tensor  # fp32 [S, k]: their router probabilities (not renormalised)
     assignment_index: torch.Tensor  # long [N]: kept assignments
     slot_index: torch.Tensor  # long [N]: their slot in the flat [E * capacity] expert buffer
-    combine_weight: torch.Tensor  # fp32 [N]: their gate value (carries the router's gradient)
+    plan: SlotPlan
     capacity: int
     num_experts: int
     stats: RoutingStats
@@ -88,26 +170,18 @@ class Routing:
         return self.expert_index.size(1)
 
     def dispatch(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[S, d] tokens -> [E, capacity, d] expert inputs (empty slots are zero)."""
+        """[S, d] tokens -> [E, capacity, d] expert inputs. Empty slots hold a copy of some token:
+        their outputs are never combined and get zero gradient."""
         if tokens.size(0) != self.num_tokens:
             raise ValueError(f"routing was computed for {self.num_tokens} tokens, got "
                              f"{tokens.size(0)}; reuse a routing only for the same tokens")
-        # Copy each token once per rank, then pick the kept assignments: every index is unique,
-        # so forward and backward are deterministic (no atomic accumulation).
-        per_assignment = unique_index_select(tokens.repeat(self.top_k, 1), self.assignment_index)
-        buffer = tokens.new_zeros(self.num_experts * self.capacity, tokens.size(1))
-        buffer = buffer.index_copy(0, self.slot_index, per_assignment)
-        return buffer.view(self.num_experts, self.capacity, tokens.size(1))
+        return self.plan.dispatch(tokens).view(self.num_experts, self.capacity, tokens.size(1))
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
-        """[E, capacity, d] expert outputs -> [S, d]: sum over kept assignments of gate * output."""
+        """[E, capacity, d] expert outputs -> [S, d]: sum over kept assignments of gate * output
+        (the gates carry the router's gradient)."""
         flat = expert_output.reshape(self.num_experts * self.capacity, -1)
-        weighted = unique_index_select(flat, self.slot_index) * self.combine_weight.unsqueeze(
-            1).to(flat.dtype)
-        # One row per (rank, token): unique indices again, then a fixed-order sum over ranks.
-        per_rank = flat.new_zeros(self.top_k * self.num_tokens, flat.size(1))
-        per_rank = per_rank.index_copy(0, self.assignment_index, weighted)
-        return per_rank.view(self.top_k, self.num_tokens, -1).sum(0)
+        return self.plan.combine(flat, self.gates * self.plan.kept)
 
 
 def init_experts_like_linear_(weight: torch.Tensor, bias: torch.Tensor, fan_in: int) -> None:
@@ -197,12 +271,14 @@ class TopKRouter(nn.Module):
         )
         if self.training:
             self._record(stats)
+        slot_index = kept_expert * capacity + position[keep]
+        token, rank = assignment_index % num_tokens, assignment_index // num_tokens
         return Routing(
             expert_index=expert_index,
             gates=gates,
             assignment_index=assignment_index,
-            slot_index=kept_expert * capacity + position[keep],
-            combine_weight=gates.t().reshape(-1).index_select(0, assignment_index),
+            slot_index=slot_index,
+            plan=SlotPlan.build(num_tokens, k, E * capacity, token * k + rank, slot_index),
             capacity=capacity,
             num_experts=E,
             stats=stats,

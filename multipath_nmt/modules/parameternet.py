@@ -85,9 +85,7 @@ class RoutedLinear(nn.Module):
         expert_output = torch.baddbmm(self.bias.unsqueeze(1), expert_input,
                                       self.weight.transpose(1, 2))
         y = routing.combine(expert_output)
-        # k = 1: assignment a is token a, so the kept assignments are the kept tokens
-        kept = torch.zeros(tokens.shape[0], dtype=torch.bool, device=x.device)
-        kept[routing.assignment_index] = True
+        kept = routing.plan.kept.squeeze(1) > 0  # k = 1: one assignment per token
         return y.view(*x.shape[:-1], -1), kept.view(x.shape[:-1])
 
     def pop_routing_stats(self):
