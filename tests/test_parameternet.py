@@ -27,7 +27,7 @@ def test_dynamic_mixing_equals_explicit_per_sentence_sum():
         alpha = torch.softmax(layer.coefficients(real.mean(0)), -1)
         weight = sum(alpha[i] * layer.weight[i] for i in range(3))
         bias = sum(alpha[i] * layer.bias[i] for i in range(3))
-        assert torch.allclose(out[:, b], x[:, b] @ weight.t() + bias, atol=1e-5)
+        assert torch.allclose(out[:, b], x[:, b] @ weight + bias, atol=1e-5)
 
 
 def test_padding_does_not_change_the_pooled_vector():
@@ -56,7 +56,7 @@ def test_routed_linear_equals_naive_per_token_reference():
         if expected_kept:
             used[int(choice[t])] += 1
             e = int(choice[t])
-            reference = gate[t] * (tokens[t] @ layer.weight[e].t() + layer.bias[e])
+            reference = gate[t] * (tokens[t] @ layer.weight[e] + layer.bias[e])
             assert torch.allclose(y.reshape(-1, 5)[t], reference, atol=1e-6)
         else:
             assert (y.reshape(-1, 5)[t] == 0).all()
@@ -97,7 +97,7 @@ def test_dynamic_ffn_matches_dense_ffn_when_experts_are_equal():
         ffn.fc2.weight.copy_(ffn.fc2.weight[:1].expand_as(ffn.fc2.weight))
         ffn.fc2.bias.copy_(ffn.fc2.bias[:1].expand_as(ffn.fc2.bias))
     x, padding = _batch()
-    dense = F.linear(F.relu(ffn.fc1(x)), ffn.fc2.weight[0], ffn.fc2.bias[0])
+    dense = F.linear(F.relu(ffn.fc1(x)), ffn.fc2.weight[0].t(), ffn.fc2.bias[0])
     assert torch.allclose(ffn(x, padding), dense, atol=1e-5)
 
 
@@ -142,6 +142,6 @@ def test_fairseq_train(toy_data_bin, tmp_path, arch, flags):
         assert "encoder.layers.0.ffn.fc2.weight" in keys and keys[
             "encoder.layers.0.ffn.fc2.weight"].dim() == 2
     else:
-        assert keys["encoder.layers.1.ffn.fc2.weight"].shape == (4, 32, 64)
+        assert keys["encoder.layers.1.ffn.fc2.weight"].shape == (4, 64, 32)  # [M, in, out]
     if "dynamic" not in flags:
         assert "moe_balance" in log or "balance" in log

@@ -33,9 +33,12 @@ def masked_mean(x, padding_mask):
 
 
 class DynamicLinear(nn.Module):
-    """y = x W'^T + b' with (W', b') = sum_i alpha_i (W_i, b_i), alpha = softmax(MLP(mean-pool(x)))
+    """y = x W' + b' with (W', b') = sum_i alpha_i (W_i, b_i), alpha = softmax(MLP(mean-pool(x)))
     per sentence (ParameterNet Eq. 4; the MLP is DynamicConv's pool -> FC -> ReLU -> FC).
 
+    ``weight`` is [M, in, out] (x @ W_i, the transpose of nn.Linear's layout), so that every
+    sentence's W' comes out of one [B, M] @ [M, in * out] matmul in the layout its batched
+    product reads, and so do the gradients.
     All M matrices form every sentence's W' and get gradient from every token, so none of them
     is inactive (no ``inactive_parameter_count``): the saving is in FLOPs, not in parameters.
     """
@@ -43,7 +46,7 @@ class DynamicLinear(nn.Module):
     def __init__(self, in_features, out_features, num_experts, reduction=4):
         super().__init__()
         self.num_experts = num_experts
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features))
         hidden = max(in_features // reduction, num_experts)
         self.coefficients = nn.Sequential(
@@ -55,14 +58,16 @@ class DynamicLinear(nn.Module):
         return torch.softmax(self.coefficients(masked_mean(x, padding_mask)).float(), dim=-1)
 
     def forward(self, x, padding_mask=None):
+        """x [T, B, in] -> [T, B, out] (a transposed view of a [B, T, out] result)."""
         alpha = self.mixing_weights(x, padding_mask).to(x.dtype)
-        weight = torch.einsum("bm,moi->boi", alpha, self.weight)
+        num_experts, in_features, out_features = self.weight.shape
+        weight = (alpha @ self.weight.view(num_experts, -1)).view(-1, in_features, out_features)
         bias = alpha @ self.bias
-        return torch.einsum("tbi,boi->tbo", x, weight) + bias
+        return torch.baddbmm(bias.unsqueeze(1), x.transpose(0, 1), weight).transpose(0, 1)
 
 
 class RoutedLinear(nn.Module):
-    """y = p_i(x) (x W_i^T + b_i) for the expert i = argmax_j p_j(x) of a top-1 router with capacity
+    """y = p_i(x) (x W_i + b_i) for the expert i = argmax_j p_j(x) of a top-1 router with capacity
     and the Switch balance loss (:class:`~multipath_nmt.modules.moe.TopKRouter`, k = 1)."""
 
     def __init__(self, in_features, out_features, num_experts, capacity_factor=1.2,
@@ -71,7 +76,9 @@ class RoutedLinear(nn.Module):
         self.num_experts = num_experts
         self.router = TopKRouter(in_features, num_experts, k=1, capacity_factor=capacity_factor,
                                  noise=router_noise)
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        # [E, in, out] (x @ W_i), like MoEFeedForward's experts: no transposed operand, so the
+        # weight gradient comes out in the weight's own layout
+        self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features))
         init_experts_like_linear_(self.weight, self.bias, in_features)
 
@@ -82,8 +89,7 @@ class RoutedLinear(nn.Module):
         valid = None if padding_mask is None else ~padding_mask.t().reshape(-1)
         routing = self.router(tokens, valid)
         expert_input = routing.dispatch(tokens)
-        expert_output = torch.baddbmm(self.bias.unsqueeze(1), expert_input,
-                                      self.weight.transpose(1, 2))
+        expert_output = torch.baddbmm(self.bias.unsqueeze(1), expert_input, self.weight)
         y = routing.combine(expert_output)
         kept = routing.plan.kept.squeeze(1) > 0  # k = 1: one assignment per token
         return y.view(*x.shape[:-1], -1), kept.view(x.shape[:-1])
