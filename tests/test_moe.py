@@ -150,6 +150,8 @@ def test_sort_dispatch_equals_naive_reference_outputs_and_gradients():
     valid = torch.rand(23) > 0.2
     routing = moe.route(x, ~valid)
     assert routing.stats.dropped_tokens.item() > 0  # the example exercises overflow
+    # ... and empty slots, which hold copies of a token: they must reach no output or gradient
+    assert (routing.stats.expert_load < routing.capacity).any()
 
     params = [x] + list(moe.parameters())
     x.requires_grad_(True)
