@@ -473,7 +473,7 @@ def plot(summaries: List[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     figure, axes = plt.subplots(figsize=(7.5, 5))
     base = next((s for s in summaries if s["system"] == "base"), None)
-    labels_at = {}  # points that (nearly) coincide get their labels stacked, not overprinted
+    labelled = []  # points that (nearly) coincide get their labels stacked, not overprinted
     for s in summaries:
         colour, marker = FAMILY_STYLE[s["family"]]
         x, y = s["params"] / 1e6, s["mean"]["test_bleu"]
@@ -482,8 +482,9 @@ def plot(summaries: List[dict], path: Path) -> None:
                       alpha=0.35, linewidth=1)
         axes.errorbar(x, y, yerr=s["std"].get("test_bleu"), color=colour, marker=marker,
                       markersize=7, capsize=3, linestyle="none")
-        stacked = labels_at.setdefault((round(x, 1), round(y, 1)), 0)
-        labels_at[(round(x, 1), round(y, 1))] += 1
+        # labels of points closer than a label's size (0.05M, 0.5 BLEU) stack upwards
+        stacked = sum(abs(x - lx) < 0.05 and abs(y - ly) < 0.5 for lx, ly in labelled)
+        labelled.append((x, y))
         axes.annotate(s["system"], (x, y), textcoords="offset points",
                       xytext=(5, 4 + 10 * stacked), fontsize=8)
     for family, (colour, marker) in FAMILY_STYLE.items():
