@@ -75,13 +75,17 @@ class PathMixer(nn.Module):
                 (num_features,), fixed_path_weight(num_features, path_norm)))
             self.register_buffer("residual_weight", torch.ones(()))
 
+    @staticmethod
+    def sums_of_others(paths: Tensor) -> Tensor:
+        """S - P_j for every path j, S the sum of all paths: the cheap features times n - 1, in
+        O(n)."""
+        return paths.sum(0, keepdim=True) - paths
+
     def features(self, paths: Tensor) -> Tensor:
-        """Raw path outputs [n, ...] followed by the cheap features, computed in O(n):
-        (sum of all paths - path j) / (n - 1)."""
+        """Raw path outputs [n, ...] followed by the cheap features (S - P_j) / (n - 1)."""
         if not self.cheap_features:
             return paths
-        others = (paths.sum(0, keepdim=True) - paths) / (self.num_paths - 1)
-        return torch.cat([paths, others], 0)
+        return torch.cat([paths, self.sums_of_others(paths) / (self.num_paths - 1)], 0)
 
     def normalized_sum(self, paths: Tensor) -> Tensor:
         """sum_f alpha_f * PathNorm_f(H_f), with alpha_f * gamma_f as the weight of feature f's
@@ -99,7 +103,7 @@ class PathMixer(nn.Module):
             if self.cheap_features:
                 # LN((S - P_j) / (n - 1)) with eps equals LN(S - P_j) with eps * (n - 1)^2:
                 # the averages' division is folded into eps (S = sum of the paths).
-                features += (paths.sum(0) - paths).unbind(0)
+                features += self.sums_of_others(paths).unbind(0)
                 eps += [norm.eps * (n - 1) ** 2] * n
             mixed = weights @ norm.bias.to(dtype)
             for feature, scale, feature_eps in zip(features, scales, eps):
