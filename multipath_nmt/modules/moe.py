@@ -96,8 +96,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, plan):
         ctx.plan = plan
-        with torch.autocast(tokens.device.type, enabled=False):
-            return plan._gather_slots(tokens)
+        return plan._gather_slots(tokens)
 
     @staticmethod
     def backward(ctx, grad):
