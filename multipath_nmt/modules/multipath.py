@@ -52,6 +52,65 @@ class PathNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_features, dim))
 
 
+class _NormalizedSum(torch.autograd.Function):
+    """sum_f LN(H_f; weight s_f, eps_f) + bias over the features H of paths P [n, N, d]: the n
+    paths and, with cheap features, C_j = S - P_j (S the sum of the paths), whose eps is
+    eps * (n - 1)^2 because LN((S - P_j) / (n - 1)) with eps equals LN(S - P_j) with that eps.
+
+    One LayerNorm kernel per feature forward and backward (the weight folds PathNorm's gamma and
+    the path weight alpha together), the sum accumulated in place, and the gradient of the paths
+    assembled in its [n, N, d] buffer as dP_i = dH_i - dC_i + sum_j dC_j. Autograd over the same
+    ops made extra passes over every feature: the sums' copies, a stack of the n gradients, the
+    negation and expansion of S - P_j's gradient and their accumulation.
+    """
+
+    @staticmethod
+    def forward(ctx, paths, scales, bias, eps, cheap_features):
+        n, dim = paths.size(0), paths.size(-1)
+        features = [(path, eps) for path in paths]
+        others = None
+        if cheap_features:
+            others = paths.sum(0) - paths
+            features += [(other, eps * (n - 1) ** 2) for other in others]
+        mixed, means, rstds = None, [], []
+        for (feature, feature_eps), scale in zip(features, scales):
+            out, mean, rstd = torch.native_layer_norm(feature, (dim,), scale, None, feature_eps)
+            mixed = out if mixed is None else mixed.add_(out)
+            means.append(mean)
+            rstds.append(rstd)
+        ctx.save_for_backward(paths, others, scales, torch.stack(means), torch.stack(rstds))
+        return mixed.add_(bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        paths, others, scales, means, rstds = ctx.saved_tensors
+        n, dim = paths.size(0), paths.size(-1)
+        grad = grad.contiguous()
+        features = list(paths) + ([] if others is None else list(others))
+        mask = [True, ctx.needs_input_grad[1], False]
+        grad_features, grad_scales = [], []
+        for feature, scale, mean, rstd in zip(features, scales, means, rstds):
+            grad_feature, grad_scale, _ = torch.ops.aten.native_layer_norm_backward(
+                grad, feature, (dim,), mean, rstd, scale, None, mask)
+            grad_features.append(grad_feature)
+            grad_scales.append(grad_scale)
+        if others is None:
+            grad_paths = torch.stack(grad_features)
+        else:
+            grad_paths = torch.empty_like(paths)
+            grad_others = grad_features[n:]
+            for i in range(n):
+                torch.sub(grad_features[i], grad_others[i], out=grad_paths[i])
+            total = grad_others[0]
+            for grad_other in grad_others[1:]:
+                total = total.add_(grad_other)
+            grad_paths.add_(total)
+        grad_scales = torch.stack(grad_scales) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_paths, grad_scales, grad_bias, None, None
+
+
 class PathMixer(nn.Module):
     """The sublayer output of Lin et al. (2022): Y = beta * X + sum_f alpha_f * PathNorm_f(H_f),
     H = the n path outputs plus, with ``cheap_features`` and n > 2, the n averages of n - 1 paths
@@ -88,27 +147,19 @@ class PathMixer(nn.Module):
         return torch.cat([paths, self.sums_of_others(paths) / (self.num_paths - 1)], 0)
 
     def normalized_sum(self, paths: Tensor) -> Tensor:
-        """sum_f alpha_f * PathNorm_f(H_f), with alpha_f * gamma_f as the weight of feature f's
-        LayerNorm: one fused kernel per feature forward and backward, where an affine PathNorm
-        followed by a weighted sum costs autograd several more passes over every feature.
-        Statistics of half-precision paths are computed in fp32 (their squares overflow fp16)."""
+        """sum_f alpha_f * PathNorm_f(H_f): each feature's LayerNorm takes alpha_f * gamma_f as its
+        weight (see :class:`_NormalizedSum`). Statistics of half-precision paths are computed in
+        fp32 (their squares overflow fp16)."""
         dtype = torch.float32 if paths.dtype in (torch.float16, torch.bfloat16) else paths.dtype
-        norm, n = self.path_norm, self.num_paths
+        norm = self.path_norm
         with torch.autocast(paths.device.type, enabled=False):
-            paths = paths.to(dtype)
             weights = self.path_weights.to(dtype)
             scales = weights[:, None] * norm.weight.to(dtype)
-            features = list(paths.unbind(0))
-            eps = [norm.eps] * n
-            if self.cheap_features:
-                # LN((S - P_j) / (n - 1)) with eps equals LN(S - P_j) with eps * (n - 1)^2:
-                # the averages' division is folded into eps (S = sum of the paths).
-                features += self.sums_of_others(paths).unbind(0)
-                eps += [norm.eps * (n - 1) ** 2] * n
-            mixed = weights @ norm.bias.to(dtype)
-            for feature, scale, feature_eps in zip(features, scales, eps):
-                mixed = mixed + F.layer_norm(feature, feature.shape[-1:], scale, None, feature_eps)
-        return mixed
+            bias = weights @ norm.bias.to(dtype)
+            shape = paths.shape
+            paths = paths.to(dtype).reshape(shape[0], -1, shape[-1])
+            mixed = _NormalizedSum.apply(paths, scales, bias, norm.eps, self.cheap_features)
+        return mixed.view(shape[1:])
 
     def forward(self, paths: Tensor, residual: Tensor) -> Tensor:
         """``paths`` [n, ..., d], ``residual`` [..., d]."""
