@@ -58,11 +58,15 @@ class EWASchedule:
 def average_experts_(stacked, share_rate):
     """The EWA update in place on experts stacked along dim 0 (computed in fp32)."""
     num_experts = stacked.shape[0]
-    weights = stacked.float()
     others = share_rate / (num_experts - 1)
-    # (1 - b) W_i + b/(E-1) (S - W_i), S the sum over all experts
-    averaged = weights * (1.0 - share_rate - others) + weights.sum(0, keepdim=True) * others
-    stacked.copy_(averaged)
+    # (1 - b) W_i + b/(E-1) (S - W_i) = (1 - b - b/(E-1)) W_i + b/(E-1) S, S the sum over all
+    # experts; fp32 experts (the optimizer's master copies) are updated without a copy
+    shared = stacked.sum(0, keepdim=True, dtype=torch.float32).mul_(others)
+    own = 1.0 - share_rate - others
+    if stacked.dtype == torch.float32:
+        stacked.mul_(own).add_(shared)
+    else:
+        stacked.copy_(stacked.float().mul_(own).add_(shared))
 
 
 def ewa_average_parameters_(params, share_rate, master_views):
