@@ -240,30 +240,33 @@ def time_train_steps(trainer, sample, steps, device):
     return sample["ntokens"] * steps / (clock(device) - start)
 
 
-def beam_search_speed(trainer, task, size, device, repeats):
-    """Sentences/s of fairseq's SequenceGenerator, beam 4, forced to the same output length."""
+def beam_search_timer(trainer, task, size, device):
+    """A function that times one translation of a fixed batch by fairseq's SequenceGenerator
+    (beam 4, every hypothesis forced to the same length) and returns its sentences/s."""
     from fairseq.sequence_generator import SequenceGenerator
 
     model = trainer.model
-    model.eval()
     n = size["beam_sentences"]
     sample = synthetic_batch(dict(size, batch=n), len(task.source_dictionary), seed=1)
     sample = trainer._prepare_sample(sample)[0]
     length = size["length"]
     generator = SequenceGenerator([model], task.target_dictionary, beam_size=4,
                                   max_len_a=0, max_len_b=length, min_len=length)
-    rates = []
-    with torch.no_grad():
-        for _ in range(2):  # warm-up (fairseq's TorchScript helpers specialise on first calls)
-            generator.generate([model], sample)
-        for _ in range(repeats):
+
+    def sentences_per_s():
+        model.eval()
+        with torch.no_grad():
             _sync(device)
             start = clock(device)
             generator.generate([model], sample)
             _sync(device)
-            rates.append(n / (clock(device) - start))
-    model.train()
-    return rates
+            rate = n / (clock(device) - start)
+        model.train()
+        return rate
+
+    for _ in range(2):  # warm-up (fairseq's TorchScript helpers specialise on first calls)
+        sentences_per_s()
+    return sentences_per_s
 
 
 def peak_memory_of_step(flags, size, device, fp16, loop_reference=False):
@@ -420,11 +423,14 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
             r = results[system.name]
             r["tokens_per_s"] = _summary(r["tokens_per_s"])
             r["mfu"] = r["train_flops_per_token"] * r["tokens_per_s"]["median"] / peak
-        for system in systems:
-            if system.group in ("baselines", "multi-path"):
-                trainer, task, _ = built[system.name]
-                rates = beam_search_speed(trainer, task, size, device, size["repeats"])
-                results[system.name]["beam_sentences_per_s"] = _summary(rates)
+        timers = {system.name: beam_search_timer(*built[system.name][:2], size, device)
+                  for system in systems if system.group in ("baselines", "multi-path")}
+        beam_rates = {name: [] for name in timers}
+        for _ in range(size["repeats"]):  # round-robin, like the training steps
+            for name, timer in timers.items():
+                beam_rates[name].append(timer())
+        for name, rates in beam_rates.items():
+            results[name]["beam_sentences_per_s"] = _summary(rates)
         del built
     # one layer is cheap to time, and its targets (3 and 5) compare close figures: more repeats
     layers = layer_benchmarks(size, device, dtype, 3 * size["repeats"], log=log)
