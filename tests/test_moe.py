@@ -143,9 +143,10 @@ def naive_moe(moe, x, valid):
     return torch.stack(rows)
 
 
-def test_sort_dispatch_equals_naive_reference_outputs_and_gradients():
+@pytest.mark.parametrize("k", [1, 2])  # top-1 combines by scaling, top-2 by a weighted sum
+def test_sort_dispatch_equals_naive_reference_outputs_and_gradients(k):
     torch.manual_seed(3)
-    moe = MoEFeedForward(6, 10, num_experts=4, k=2, capacity_factor=0.8).eval()
+    moe = MoEFeedForward(6, 10, num_experts=4, k=k, capacity_factor=0.8).eval()
     x = torch.randn(23, 6)
     valid = torch.rand(23) > 0.2
     routing = moe.route(x, ~valid)

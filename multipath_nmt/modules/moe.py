@@ -79,9 +79,14 @@ class SlotPlan:
 
     def _sum_assignments(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_r weights[t, r] * rows[slot of (t, r)] for every token t, in a fixed order."""
-        gathered = rows.index_select(0, self.slot_of_assignment).view(
-            self.num_tokens, -1, rows.size(1))
-        return torch.bmm(weights.to(rows.dtype).unsqueeze(1), gathered).squeeze(1)
+        gathered = rows.index_select(0, self.slot_of_assignment)
+        weights = weights.to(rows.dtype)
+        if weights.size(1) == 1:
+            # top-1 (EWA, routed ParameterNet): a scaling, where bmm ran S products of 1 x 1 by
+            # 1 x d matrices at about a third of the speed (same numbers: one product each)
+            return gathered.mul_(weights)
+        gathered = gathered.view(self.num_tokens, -1, rows.size(1))
+        return torch.bmm(weights.unsqueeze(1), gathered).squeeze(1)
 
     def _slot_weights(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The weight of the assignment in each slot, 0 for empty slots."""
