@@ -52,6 +52,12 @@ class PathNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_features, dim))
 
 
+def sums_of_others(paths: Tensor) -> Tensor:
+    """S - P_j for every path j of ``paths`` [n, ...], S the sum of all paths: the cheap features
+    times n - 1, in O(n)."""
+    return paths.sum(0, keepdim=True) - paths
+
+
 class _NormalizedSum(torch.autograd.Function):
     """sum_f LN(H_f; weight s_f, eps_f) + bias over the features H of paths P [n, N, d]: the n
     paths and, with cheap features, C_j = S - P_j (S the sum of the paths), whose eps is
@@ -70,7 +76,7 @@ class _NormalizedSum(torch.autograd.Function):
         features = [(path, eps) for path in paths]
         others = None
         if cheap_features:
-            others = paths.sum(0) - paths
+            others = sums_of_others(paths)
             features += [(other, eps * (n - 1) ** 2) for other in others]
         mixed, means, rstds = None, [], []
         for (feature, feature_eps), scale in zip(features, scales):
@@ -134,17 +140,11 @@ class PathMixer(nn.Module):
                 (num_features,), fixed_path_weight(num_features, path_norm)))
             self.register_buffer("residual_weight", torch.ones(()))
 
-    @staticmethod
-    def sums_of_others(paths: Tensor) -> Tensor:
-        """S - P_j for every path j, S the sum of all paths: the cheap features times n - 1, in
-        O(n)."""
-        return paths.sum(0, keepdim=True) - paths
-
     def features(self, paths: Tensor) -> Tensor:
         """Raw path outputs [n, ...] followed by the cheap features (S - P_j) / (n - 1)."""
         if not self.cheap_features:
             return paths
-        return torch.cat([paths, self.sums_of_others(paths) / (self.num_paths - 1)], 0)
+        return torch.cat([paths, sums_of_others(paths) / (self.num_paths - 1)], 0)
 
     def normalized_sum(self, paths: Tensor) -> Tensor:
         """sum_f alpha_f * PathNorm_f(H_f): each feature's LayerNorm takes alpha_f * gamma_f as its
