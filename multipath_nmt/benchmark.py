@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 import torch
 
 # Shared by every system of one size: the decoder is the same everywhere, so differences come
-# from the encoders the papers compare.
+# from the encoders the papers compare. A training measurement runs at least ``steps`` steps and
+# at least ``measure_seconds`` of the benchmark clock, so fast systems are not timed over shorter
+# windows than slow ones (3 steps of the smallest model spread by 17-34% min to max here, those
+# of the largest by 13-14%).
 SIZES = {
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, batch=8, length=12, base_layers=2,
-                 repeats=2, steps=1, beam_sentences=4),
+                 repeats=2, steps=1, measure_seconds=0.0, beam_sentences=4),
     "default": dict(dim=256, ffn=1024, heads=4, vocab=8000, batch=32, length=32, base_layers=6,
-                    repeats=6, steps=3, beam_sentences=16),
+                    repeats=6, steps=3, measure_seconds=6.0, beam_sentences=16),
 }
 
 
@@ -231,6 +234,11 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def steps_per_measurement(size, step_seconds):
+    """Training steps timed together: at least ``size["steps"]`` and ``measure_seconds``."""
+    return max(size["steps"], math.ceil(size["measure_seconds"] / step_seconds))
+
+
 def time_train_steps(trainer, sample, steps, device):
     _sync(device)
     start = clock(device)
@@ -402,6 +410,8 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
             sample = synthetic_batch(size, len(task.source_dictionary))
             flops = training_flops_per_token(trainer, sample)
             trainer.train_step([sample])  # warm-up: optimizer state, allocator, caches
+            steps = steps_per_measurement(
+                size, sample["ntokens"] / time_train_steps(trainer, sample, 1, device))
             params = sum(p.numel() for p in trainer.model.parameters())
             inactive = sum(m.inactive_parameter_count() for m in trainer.model.modules()
                            if hasattr(m, "inactive_parameter_count"))
@@ -410,13 +420,15 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
                                         compare_to=system.compare_to,
                                         loop_reference=system.loop_reference, params=params,
                                         active_params=params - inactive,
-                                        train_flops_per_token=flops, tokens_per_s=[])
+                                        train_flops_per_token=flops,
+                                        steps_per_measurement=steps, tokens_per_s=[])
             log(f"built {system.name}: {params / 1e6:.2f}M params, "
-                f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd)")
+                f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement")
         for repeat in range(size["repeats"]):  # round-robin against drift
             for system in systems:
                 trainer, _, sample = built[system.name]
-                rate = time_train_steps(trainer, sample, size["steps"], device)
+                rate = time_train_steps(trainer, sample,
+                                        results[system.name]["steps_per_measurement"], device)
                 results[system.name]["tokens_per_s"].append(rate)
             log(f"repeat {repeat + 1}/{size['repeats']} done")
         for system in systems:
@@ -517,6 +529,11 @@ def markdown_report(result):
             "(`keep_freed_memory()`), for every system alike."]),
         "",
         f"Command: `{result['command']}`",
+        "",
+        f"Training rates: median [min-max] over {result['shape']['repeats']} round-robin repeats, "
+        f"each measurement at least {result['shape']['steps']} step(s) and "
+        f"{result['shape']['measure_seconds']:g} s of the clock (`steps_per_measurement` in "
+        "bench.json).",
         "",
         "| group | system | params | active | train MFLOP/token | tokens/s median [min-max] "
         "| vs | MFU | beam sent/s | peak MiB |",

@@ -21,6 +21,7 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
         rate = row["tokens_per_s"]
         assert rate["min"] <= rate["median"] <= rate["max"]
         assert row["mfu"] == pytest.approx(row["train_flops_per_token"] * rate["median"] / peak)
+        assert row["steps_per_measurement"] == 1  # the tiny size sets no minimum time
     deep, multipath = result["systems"]["stock deep 4L"], result["systems"]["multi-path L x 4 (full)"]
     # Same parameter budget: 4 paths x L layers vs 4L layers (PathNorm and weights are tiny).
     assert multipath["params"] == pytest.approx(deep["params"], rel=0.02)
@@ -33,6 +34,17 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
                      if "| multi-path L x 4 (+cheap features) |" in line)
     assert cheap_row.split("|")[7].strip() == ""  # its "vs" cell: the plain system was not run
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fast_systems_are_timed_over_as_long_a_window_as_slow_ones():
+    from multipath_nmt.benchmark import SIZES, steps_per_measurement
+
+    size = SIZES["default"]
+    assert (size["steps"], size["measure_seconds"]) == (3, 6.0)
+    assert steps_per_measurement(size, 2.5) == 3  # 7.5 s: the minimum number of steps
+    assert steps_per_measurement(size, 0.85) == 8  # 6.8 s, where 3 steps were 2.55 s
+    assert steps_per_measurement(size, 2.0) == 3
+    assert steps_per_measurement(SIZES["tiny"], 0.01) == 1
 
 
 def test_bench_refuses_fp16_on_cpu_and_unknown_systems(tmp_path):
