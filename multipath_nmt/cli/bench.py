@@ -10,7 +10,7 @@ from multipath_nmt import benchmark
 def cli_main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", choices=sorted(benchmark.SIZES), default="default",
-                        help="model and batch size; 'default' takes about 6.5 minutes on 2 idle "
+                        help="model and batch size; 'default' takes about 8.5 minutes on 2 idle "
                              "CPU cores, 'tiny' is for tests")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--fp16", action="store_true",
