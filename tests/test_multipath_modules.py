@@ -9,6 +9,7 @@ from multipath_nmt.modules.multipath import (
     MultiPathDecoderLayer,
     MultiPathEncoderLayer,
     PathMixer,
+    _NormalizedSum,
 )
 from multipath_nmt.modules.multipath_reference import (
     ReferenceMultiPathDecoderLayer,
@@ -181,6 +182,31 @@ def test_learnable_weights_start_at_one_over_sqrt_2n(num_paths, cheap, features)
     torch.testing.assert_close(mixer.path_weights,
                                torch.full((features,), 1 / math.sqrt(2 * num_paths)))
     assert mixer.residual_weight.item() == 1.0
+
+
+@pytest.mark.parametrize("cheap", [False, True])
+def test_fused_path_norm_sum_passes_gradcheck(cheap):
+    # the hand-written backward of PathNorm + weighted sum (+ cheap features) against finite
+    # differences, for the paths, the folded LayerNorm weights and the summed bias
+    n, d = 3, 5
+    paths = torch.randn(n, 4, d, dtype=torch.float64, requires_grad=True)
+    scales = torch.randn(2 * n if cheap else n, d, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(d, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda p, s, b: _NormalizedSum.apply(p, s, b, 1e-5, cheap), (paths, scales, bias))
+
+
+def test_frozen_path_norm_still_trains_the_paths():
+    mixer = _randomize_(PathMixer(3, D, cheap_features=True)).double()
+    reference = PathMixer(3, D, cheap_features=True).double()
+    reference.load_state_dict(mixer.state_dict())
+    for p in mixer.parameters():
+        p.requires_grad_(False)
+    paths = torch.randn(3, 5, 2, D, dtype=torch.float64)
+    residual = torch.randn(5, 2, D, dtype=torch.float64)
+    got = torch.autograd.grad(mixer.eval()(paths.requires_grad_(), residual).sum(), paths)[0]
+    expected = torch.autograd.grad(reference.eval()(paths, residual).sum(), paths)[0]
+    torch.testing.assert_close(got, expected, **EXACT)
 
 
 def test_cheap_features_are_averages_of_the_other_paths():
