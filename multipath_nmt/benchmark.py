@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 # Shared by every system of one size: the decoder is the same everywhere, so differences come
 # from the encoders the papers compare. A training measurement runs at least ``steps`` steps and
@@ -239,6 +240,28 @@ def steps_per_measurement(size, step_seconds):
     return max(size["steps"], math.ceil(size["measure_seconds"] / step_seconds))
 
 
+class ForwardBackwardClock:
+    """Counts the clock a trainer spends in its task's forward + backward (``task.train_step``,
+    which fairseq's ``Trainer.train_step`` calls once per batch). The rest of a training step is
+    the update: gradient norm, optimizer step and the plug-in's after-step hooks (EWA's
+    averaging), whose cost grows with the parameters, not with the FLOPs per token."""
+
+    def __init__(self, trainer, device):
+        self.seconds = 0.0
+        task_step = trainer.task.train_step
+
+        def timed_task_step(*args, **kwargs):
+            _sync(device)
+            start = clock(device)
+            try:
+                return task_step(*args, **kwargs)
+            finally:
+                _sync(device)
+                self.seconds += clock(device) - start
+
+        trainer.task.train_step = timed_task_step
+
+
 def time_train_steps(trainer, sample, steps, device):
     _sync(device)
     start = clock(device)
@@ -385,7 +408,39 @@ def layer_benchmarks(size, device, dtype, repeats, log=print):
     out["moe"] = {"layer_s": moe_total, "experts_s": experts, "capacity": routing.capacity,
                   "routing_overhead_fraction": overhead}
     log(f"MoE layer: router + dispatch + combine = {100 * overhead:.1f}% of the experts' time")
+    out["parameternet_routed_ffn"] = routed_ffn_benchmark(size, device, dtype, x, repeats, steps)
     return out
+
+
+def routed_ffn_benchmark(size, device, dtype, x, repeats, steps):
+    """What routing adds to ParameterNet's routed FFN (target 4): the routed FFN (both
+    projections, E 4, C 1.2) against a dense FFN of the same shape on the tokens and on as many
+    rows as the experts' capacity slots (fc1's; tokens fc1 drops leave fc2 fewer), fwd+bwd."""
+    from multipath_nmt.modules.moe import expert_capacity
+    from multipath_nmt.modules.parameternet import ParameterNetFeedForward
+
+    d, ffn, num_experts, capacity_factor = size["dim"], size["ffn"], 4, 1.2
+    tokens = x.shape[0] * x.shape[1]
+    slots = num_experts * expert_capacity(capacity_factor, 1, tokens, num_experts)
+    routed = ParameterNetFeedForward(d, ffn, num_experts, proj="both", mode="routed",
+                                     capacity_factor=capacity_factor).to(device=device, dtype=dtype)
+    dense = nn.Sequential(nn.Linear(d, ffn), nn.ReLU(), nn.Linear(ffn, d)).to(device=device,
+                                                                             dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    slot_rows = torch.randn(slots, d, generator=gen).to(device=device, dtype=dtype)
+
+    def routed_ffn(inp):
+        result = routed(inp)
+        for module in routed.modules():
+            if hasattr(module, "pop_routing_stats"):
+                module.pop_routing_stats()
+        return result
+
+    timed = _round_robin({"routed": routed_ffn, "dense": dense,
+                          "dense_on_slots": (dense, slot_rows.requires_grad_())},
+                         x, device, repeats, steps)
+    return {"slots": slots, "tokens": tokens, "routed_s": timed["routed"],
+            "dense_s": timed["dense"], "dense_on_slots_s": timed["dense_on_slots"]}
 
 
 def _summary(values):
@@ -415,26 +470,35 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
             params = sum(p.numel() for p in trainer.model.parameters())
             inactive = sum(m.inactive_parameter_count() for m in trainer.model.modules()
                            if hasattr(m, "inactive_parameter_count"))
-            built[system.name] = (trainer, task, sample)
+            built[system.name] = (trainer, task, sample, ForwardBackwardClock(trainer, device))
             results[system.name] = dict(arch=system.arch, flags=system.flags, group=system.group,
                                         compare_to=system.compare_to,
                                         loop_reference=system.loop_reference, params=params,
                                         active_params=params - inactive,
                                         train_flops_per_token=flops,
-                                        steps_per_measurement=steps, tokens_per_s=[])
+                                        steps_per_measurement=steps, tokens_per_s=[],
+                                        step_s=[], forward_backward_s=[])
             log(f"built {system.name}: {params / 1e6:.2f}M params, "
                 f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement")
         for repeat in range(size["repeats"]):  # round-robin against drift
             for system in systems:
-                trainer, _, sample = built[system.name]
-                rate = time_train_steps(trainer, sample,
-                                        results[system.name]["steps_per_measurement"], device)
+                trainer, _, sample, forward_backward = built[system.name]
+                steps = results[system.name]["steps_per_measurement"]
+                forward_backward.seconds = 0.0
+                rate = time_train_steps(trainer, sample, steps, device)
                 results[system.name]["tokens_per_s"].append(rate)
+                results[system.name]["step_s"].append(sample["ntokens"] / rate)
+                results[system.name]["forward_backward_s"].append(
+                    forward_backward.seconds / steps)
             log(f"repeat {repeat + 1}/{size['repeats']} done")
         for system in systems:
             r = results[system.name]
-            r["tokens_per_s"] = _summary(r["tokens_per_s"])
+            for key in ("tokens_per_s", "step_s", "forward_backward_s"):
+                r[key] = _summary(r[key])
             r["mfu"] = r["train_flops_per_token"] * r["tokens_per_s"]["median"] / peak
+            # per repeat, so the update's share is not the difference of two unrelated medians
+            r["update_s"] = _summary([step - fb for step, fb in zip(
+                r["step_s"]["values"], r["forward_backward_s"]["values"])])
         timers = {system.name: beam_search_timer(*built[system.name][:2], size, device)
                   for system in systems if system.group in ("baselines", "multi-path")}
         beam_rates = {name: [] for name in timers}
@@ -536,8 +600,8 @@ def markdown_report(result):
         "bench.json).",
         "",
         "| group | system | params | active | train MFLOP/token | tokens/s median [min-max] "
-        "| vs | MFU | beam sent/s | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vs | MFU | step ms: fwd+bwd + update | beam sent/s | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result["systems"].items():
         ratio = _ratio(result, name, r["compare_to"]) if r["compare_to"] else None
@@ -548,7 +612,8 @@ def markdown_report(result):
         lines.append(
             f"| {r['group']} | {name} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M "
             f"| {r['train_flops_per_token'] / 1e6:.1f} | {_spread(r['tokens_per_s'])} | {versus} "
-            f"| {100 * r['mfu']:.1f}% | {beam} | {memory} |")
+            f"| {100 * r['mfu']:.1f}% | {1e3 * r['forward_backward_s']['median']:.0f} + "
+            f"{1e3 * r['update_s']['median']:.0f} | {beam} | {memory} |")
     lines += ["", "| paths | batched tokens/s | reference tokens/s | speed-up |", "|---|---|---|---|"]
     for n, row in result["layers"]["paths"].items():
         lines.append(f"| {n} | {row['batched_tokens_per_s']:.0f} | "
@@ -556,8 +621,14 @@ def markdown_report(result):
     moe = result["layers"]["moe"]
     lines += ["", f"MoE layer (E 4, k 2, C 1.2, capacity {moe['capacity']}): whole layer "
               f"{1e3 * moe['layer_s']['median']:.2f} ms, experts alone "
-              f"{1e3 * moe['experts_s']['median']:.2f} ms per fwd+bwd.", "",
-              "| target | measured | needed | met |", "|---|---|---|---|"]
+              f"{1e3 * moe['experts_s']['median']:.2f} ms per fwd+bwd."]
+    routed = result["layers"]["parameternet_routed_ffn"]
+    ms = {key: 1e3 * routed[f"{key}_s"]["median"] for key in ("routed", "dense", "dense_on_slots")}
+    lines += ["", f"ParameterNet routed FFN (both projections, E 4, C 1.2): {ms['routed']:.1f} "
+              f"ms per fwd+bwd; a dense FFN {ms['dense']:.1f} ms on the {routed['tokens']} tokens, "
+              f"{ms['dense_on_slots']:.1f} ms on {routed['slots']} rows (the capacity slots): "
+              f"routing, dispatch and combine take {ms['routed'] - ms['dense_on_slots']:.1f} ms.",
+              "", "| target | measured | needed | met |", "|---|---|---|---|"]
     for row in evaluate_targets(result):
         sign = "<=" if row["target"] == 5 else ">="
         lines.append(f"| {row['target']}. {row['text']} | {row['value']:.3f} | "

@@ -22,14 +22,26 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
         assert rate["min"] <= rate["median"] <= rate["max"]
         assert row["mfu"] == pytest.approx(row["train_flops_per_token"] * rate["median"] / peak)
         assert row["steps_per_measurement"] == 1  # the tiny size sets no minimum time
+        # the step splits into the task's forward + backward and the update, repeat by repeat
+        tokens = 8 * 12  # the tiny size's batch x length
+        for step, forward_backward, update, rate in zip(
+                row["step_s"]["values"], row["forward_backward_s"]["values"],
+                row["update_s"]["values"], rate["values"]):
+            assert step == pytest.approx(tokens / rate)
+            assert 0 < forward_backward < step
+            assert update == pytest.approx(step - forward_backward)
     deep, multipath = result["systems"]["stock deep 4L"], result["systems"]["multi-path L x 4 (full)"]
     # Same parameter budget: 4 paths x L layers vs 4L layers (PathNorm and weights are tiny).
     assert multipath["params"] == pytest.approx(deep["params"], rel=0.02)
     assert set(result["layers"]["paths"]) == {"2", "4", "8"}
+    routed = result["layers"]["parameternet_routed_ffn"]
+    assert (routed["tokens"], routed["slots"]) == (96, 4 * 29)  # 4 x ceil(1.2 * 96 / 4)
     targets = {row["target"] for row in result["targets"]}
     assert {1, 3, 4, 5, 6} <= targets  # target 2 needs the plain system, not measured here
     markdown = (tmp_path / "bench.md").read_text()
     assert "| 1. multi-path L x 4 tokens/s vs deep 4L" in markdown
+    assert "| step ms: fwd+bwd + update |" in markdown
+    assert "ParameterNet routed FFN (both projections, E 4, C 1.2): " in markdown
     cheap_row = next(line for line in markdown.splitlines()
                      if "| multi-path L x 4 (+cheap features) |" in line)
     assert cheap_row.split("|")[7].strip() == ""  # its "vs" cell: the plain system was not run
