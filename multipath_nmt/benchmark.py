@@ -477,7 +477,7 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
                                         active_params=params - inactive,
                                         train_flops_per_token=flops,
                                         steps_per_measurement=steps, tokens_per_s=[],
-                                        step_s=[], forward_backward_s=[])
+                                        forward_backward_s=[])
             log(f"built {system.name}: {params / 1e6:.2f}M params, "
                 f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement")
         for repeat in range(size["repeats"]):  # round-robin against drift
@@ -487,18 +487,18 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
                 forward_backward.seconds = 0.0
                 rate = time_train_steps(trainer, sample, steps, device)
                 results[system.name]["tokens_per_s"].append(rate)
-                results[system.name]["step_s"].append(sample["ntokens"] / rate)
                 results[system.name]["forward_backward_s"].append(
                     forward_backward.seconds / steps)
             log(f"repeat {repeat + 1}/{size['repeats']} done")
         for system in systems:
             r = results[system.name]
-            for key in ("tokens_per_s", "step_s", "forward_backward_s"):
+            # per repeat, so the update's share is not the difference of two unrelated medians
+            tokens = built[system.name][2]["ntokens"]
+            r["update_s"] = _summary([tokens / rate - forward_backward for rate, forward_backward
+                                      in zip(r["tokens_per_s"], r["forward_backward_s"])])
+            for key in ("tokens_per_s", "forward_backward_s"):
                 r[key] = _summary(r[key])
             r["mfu"] = r["train_flops_per_token"] * r["tokens_per_s"]["median"] / peak
-            # per repeat, so the update's share is not the difference of two unrelated medians
-            r["update_s"] = _summary([step - fb for step, fb in zip(
-                r["step_s"]["values"], r["forward_backward_s"]["values"])])
         timers = {system.name: beam_search_timer(*built[system.name][:2], size, device)
                   for system in systems if system.group in ("baselines", "multi-path")}
         beam_rates = {name: [] for name in timers}
