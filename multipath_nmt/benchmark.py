@@ -196,6 +196,10 @@ def training_flops_per_token(trainer, sample):
     """Model FLOPs of one forward + backward, measured (not estimated) with torch's counter."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
+        pop_all_routing_stats,
+    )
+
     model, criterion = trainer.model, trainer.criterion
     sample = trainer._prepare_sample(sample)[0]
     model.train()
@@ -204,9 +208,7 @@ def training_flops_per_token(trainer, sample):
         loss, _, _ = criterion(model, sample)
         loss.backward()
     model.zero_grad(set_to_none=True)
-    for module in model.modules():  # forget routing statistics of this extra pass
-        if hasattr(module, "pop_routing_stats"):
-            module.pop_routing_stats()
+    pop_all_routing_stats(model)  # forget the routing statistics of this extra pass
     return counter.get_total_flops() / sample["ntokens"]
 
 
@@ -416,6 +418,9 @@ def routed_ffn_benchmark(size, device, dtype, x, repeats, steps):
     """What routing adds to ParameterNet's routed FFN (target 4): the routed FFN (both
     projections, E 4, C 1.2) against a dense FFN of the same shape on the tokens and on as many
     rows as the experts' capacity slots (fc1's; tokens fc1 drops leave fc2 fewer), fwd+bwd."""
+    from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
+        pop_all_routing_stats,
+    )
     from multipath_nmt.modules.moe import expert_capacity
     from multipath_nmt.modules.parameternet import ParameterNetFeedForward
 
@@ -431,9 +436,7 @@ def routed_ffn_benchmark(size, device, dtype, x, repeats, steps):
 
     def routed_ffn(inp):
         result = routed(inp)
-        for module in routed.modules():
-            if hasattr(module, "pop_routing_stats"):
-                module.pop_routing_stats()
+        pop_all_routing_stats(routed)
         return result
 
     timed = _round_robin({"routed": routed_ffn, "dense": dense,
