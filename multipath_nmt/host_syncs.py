@@ -1,0 +1,164 @@
+"""Count the host syncs a piece of PyTorch code would make on a GPU, on any device (CPU included).
+
+A host sync is an op after which the host must wait for the device's queue: it copies a value
+from the device to the host (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``, ``.cpu()``,
+``torch.equal``), or its output's shape depends on tensor values, so the host must read them
+before it can allocate the output (``nonzero``, boolean-mask indexing, ``masked_select``,
+``bincount``, ``unique``, ``repeat_interleave`` without ``output_size``). Each one stalls the
+GPU and rules out CUDA graphs and a whole-graph ``torch.compile``.
+
+    with HostSyncCounter() as syncs:
+        loss = model(x).sum(); loss.backward()
+    syncs.total, syncs.by_op  # e.g. 2, {"aten._local_scalar_dense": 1, "aten.nonzero": 1}
+
+Ops are recognised by PyTorch's own tags (``data_dependent_output``, ``dynamic_output_shape``)
+plus the few cases the tags miss or over-report. On a CPU-only run, where every tensor stands
+for a device tensor:
+- ``.cpu()``, ``.numpy()``, ``.tolist()`` and ``.to("cpu")`` (the string) of a CPU tensor count
+  as device-to-host copies; ``.to(some_tensor.device)`` does not, because device-generic code
+  moves host-made tensors to the model's device that way (a host-to-device move on a GPU).
+- ``one_hot`` with ``num_classes`` counts nothing: its CPU kernel checks the class range with
+  ``.item()``, its CUDA kernel relies on device asserts. Without ``num_classes`` it counts once.
+- Host-to-device copies (``torch.tensor(list, device="cuda")``) cannot be told apart from host
+  tensors there and are not counted; on a real device, every blocking copy between the host and
+  the device counts.
+"""
+from typing import Dict, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Composite: always reaches the dispatcher as _local_scalar_dense, which is counted instead.
+_NOT_COUNTED = {aten.item.default}
+_BOOL_DTYPES = (torch.bool, torch.uint8)
+_DEVICE_TO_HOST_METHODS = {torch.Tensor.cpu: "Tensor.cpu", torch.Tensor.numpy: "Tensor.numpy",
+                           torch.Tensor.tolist: "Tensor.tolist"}
+
+
+def _op_name(func) -> str:
+    overload = func._overloadname
+    base = f"aten.{func._opname}"
+    return base if overload == "default" else f"{base}.{overload}"
+
+
+def _has_bool_index(indices) -> bool:
+    return any(index is not None and index.dtype in _BOOL_DTYPES for index in indices)
+
+
+def _is_masked_fill(args, kwargs) -> bool:
+    """``x[mask] = scalar``: index_put with one mask and a one-element value, which PyTorch
+    runs as masked_fill (no nonzero, no sync)."""
+    indices = args[1]
+    value = args[2] if len(args) > 2 else kwargs["values"]
+    return (len(indices) == 1 and indices[0] is not None and indices[0].dtype in _BOOL_DTYPES
+            and value.numel() == 1)
+
+
+def _is_cross_device_copy(source: torch.Tensor, target_device: torch.device,
+                          non_blocking: bool) -> bool:
+    on_host = (source.device.type == "cpu", target_device.type == "cpu")
+    return on_host[0] != on_host[1] and (not non_blocking or on_host[1])
+
+
+def _sync_name(func, args, kwargs) -> Optional[str]:
+    """The name to count ``func`` under if it makes a host sync with these arguments."""
+    if func in _NOT_COUNTED:
+        return None
+    packet = func.overloadpacket
+    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_,
+                  aten._unsafe_index_put):
+        if not _has_bool_index(args[1]):
+            return None
+        if packet is not aten.index and _is_masked_fill(args, kwargs):
+            return None
+        return _op_name(func) + " (bool mask)"
+    if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor:
+        output_size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
+        return None if output_size is not None else _op_name(func)
+    if packet is aten.histc:  # the CUDA kernel reads min/max from the device when both are 0
+        low = kwargs.get("min", args[2] if len(args) > 2 else 0)
+        high = kwargs.get("max", args[3] if len(args) > 3 else 0)
+        return _op_name(func) if low == high else None
+    if packet is aten._to_copy:
+        device = kwargs.get("device")
+        if device is not None and _is_cross_device_copy(
+                args[0], torch.device(device), kwargs.get("non_blocking", False)):
+            return _op_name(func)
+        return None
+    if packet is aten.copy_:
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        return (_op_name(func) if _is_cross_device_copy(args[1], args[0].device, non_blocking)
+                else None)
+    if torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
+        return _op_name(func)
+    return None
+
+
+class _HostSyncFunctionMode(TorchFunctionMode):
+    """What the dispatcher cannot see: device-to-host copies of CPU tensors (no-ops there) and
+    ``one_hot``'s CPU-only range check."""
+
+    def __init__(self, counter: "HostSyncCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DEVICE_TO_HOST_METHODS and args[0].device.type == "cpu":
+            self.counter._record(_DEVICE_TO_HOST_METHODS[func])
+        elif func is torch.Tensor.to and args[0].device.type == "cpu" and any(
+                isinstance(target, str) and target.split(":")[0] == "cpu"
+                for target in (*args[1:], kwargs.get("device"))):
+            self.counter._record("Tensor.to('cpu')")
+        elif func is torch.nn.functional.one_hot:
+            num_classes = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
+            if num_classes < 0:
+                self.counter._record("one_hot (no num_classes)")
+            self.counter._ignore_scalar_reads += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.counter._ignore_scalar_reads -= 1
+        return func(*args, **kwargs)
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts host syncs (see the module docstring) in ``total`` and per op in ``by_op``."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: Dict[str, int] = {}
+        self._ignore_scalar_reads = 0
+        self._function_mode = _HostSyncFunctionMode(self)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def _record(self, name: str) -> None:
+        self.by_op[name] = self.by_op.get(name, 0) + 1
+
+    def __enter__(self):
+        self._function_mode.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._function_mode.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self._function_mode.__exit__(exc_type, exc_value, traceback)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _sync_name(func, args, kwargs)
+        if name is not None and not (self._ignore_scalar_reads
+                                     and func is aten._local_scalar_dense.default):
+            self._record(name)
+        return func(*args, **kwargs)

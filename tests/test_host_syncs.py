@@ -1,0 +1,88 @@
+"""HostSyncCounter on hand-made examples: every sync op counted once, sync-free code counts 0."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from multipath_nmt.host_syncs import HostSyncCounter
+
+values = torch.tensor([0, 2, 1, 2])
+floats = torch.tensor([0.5, -1.0, 2.0, 3.0])
+
+
+def _assign_from_mask(source):
+    target = floats.clone()
+    target[values > 0] = source
+    return target
+
+
+ONE_SYNC = [
+    ("item", lambda: values[0].item(), "aten._local_scalar_dense"),
+    ("int", lambda: int(values[1]), "aten._local_scalar_dense"),
+    ("float", lambda: float(floats[1]), "aten._local_scalar_dense"),
+    ("bool", lambda: bool((values > 1).any()), "aten._local_scalar_dense"),
+    ("if tensor", lambda: 1 if values.sum() else 0, "aten._local_scalar_dense"),
+    ("tolist", lambda: values.tolist(), "Tensor.tolist"),
+    ("cpu", lambda: values.cpu(), "Tensor.cpu"),
+    ("numpy", lambda: values.numpy(), "Tensor.numpy"),
+    ("to cpu", lambda: values.to("cpu"), "Tensor.to('cpu')"),
+    ("nonzero", lambda: values.nonzero(), "aten.nonzero"),
+    ("where one argument", lambda: torch.where(values > 0), "aten.nonzero"),
+    ("argwhere", lambda: torch.argwhere(values), "aten.nonzero"),
+    ("bool mask read", lambda: floats[values > 0], "aten.index.Tensor (bool mask)"),
+    ("bool mask write", lambda: _assign_from_mask(floats[:3]), "aten.index_put_ (bool mask)"),
+    ("masked_select", lambda: floats.masked_select(values > 0), "aten.masked_select"),
+    ("bincount", lambda: torch.bincount(values), "aten.bincount"),
+    ("unique", lambda: torch.unique(values), "aten._unique2"),
+    ("unique_consecutive", lambda: torch.unique_consecutive(values), "aten.unique_consecutive"),
+    ("repeat_interleave", lambda: torch.repeat_interleave(values, values),
+     "aten.repeat_interleave.Tensor"),
+    ("equal", lambda: torch.equal(values, values), "aten.equal"),
+    ("allclose", lambda: torch.allclose(floats, floats), "aten.allclose"),
+    ("one_hot without num_classes", lambda: F.one_hot(values), "one_hot (no num_classes)"),
+    ("histc with data range", lambda: torch.histc(floats, bins=4), "aten.histc"),
+]
+
+
+@pytest.mark.parametrize("name,function,op", ONE_SYNC, ids=[case[0] for case in ONE_SYNC])
+def test_each_sync_op_is_counted_once(name, function, op):
+    with HostSyncCounter() as syncs:
+        function()
+    assert syncs.by_op == {op: 1}
+    assert syncs.total == 1
+
+
+def test_sync_free_code_counts_zero():
+    """Fixed-shape routing-like code: sort, cumsum, one_hot with num_classes, scatter, gather,
+    integer indexing, masked_fill, x[mask] = scalar, repeat_interleave with output_size, moves
+    to a tensor's device, shapes as Python ints."""
+    weights = torch.randn(6, 3, requires_grad=True)
+    with HostSyncCounter() as syncs:
+        expert = weights.argmax(-1)
+        order = expert.sort(stable=True).indices
+        position = F.one_hot(expert, 3).cumsum(0)
+        capacity = (weights.size(0) * 2 + 2) // 3
+        keep = position.gather(1, expert[:, None]).squeeze(1) <= capacity
+        slots = torch.zeros(3 * capacity, dtype=torch.long).scatter_(
+            0, (expert * capacity).clamp(max=3 * capacity - 1), order)
+        rows = weights.index_select(0, slots) + weights[order[:2]].sum()
+        masked = weights.masked_fill(~keep[:, None], 0.0)
+        masked[keep] = 0.5
+        repeated = torch.repeat_interleave(values, values, output_size=5)
+        moved = values.to(weights.device)
+        (rows.sum() + masked.sum() + repeated.sum() + moved.sum()).backward()
+    assert syncs.by_op == {}
+    assert syncs.total == 0
+
+
+def test_counts_add_up_and_reset_per_context():
+    with HostSyncCounter() as syncs:
+        for _ in range(3):
+            values[0].item()
+        values.nonzero()
+    assert syncs.by_op == {"aten._local_scalar_dense": 3, "aten.nonzero": 1}
+    assert syncs.total == 4
+    with HostSyncCounter() as fresh:
+        values.nonzero()
+    assert fresh.total == 1
+    values.nonzero()  # outside any counter: nothing recorded
+    assert syncs.total == 4 and fresh.total == 1
