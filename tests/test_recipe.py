@@ -1,0 +1,157 @@
+"""multipath_nmt.recipe: the paper's global batch (4,096 / 8,192 tokens per GPU on 8 GPUs) split
+over any GPU count, the CPU batch, the overrides, the refusals, and the embedding sharing."""
+import pytest
+
+from multipath_nmt.recipe import (BASE, DEEP, RecipeError, batch_plan, criterion_for_arch,
+                                  dictionary_files, embedding_sharing, recipe_for_arch)
+
+
+def test_recipes_are_the_papers():
+    assert (BASE.lr, BASE.warmup_updates, BASE.tokens_per_gpu, BASE.global_batch) == (
+        "0.001", 8000, 4096, 32768)
+    assert (DEEP.lr, DEEP.warmup_updates, DEEP.tokens_per_gpu, DEEP.global_batch) == (
+        "0.002", 16000, 8192, 65536)
+
+
+@pytest.mark.parametrize("arch,recipe,criterion", [
+    ("transformer_prenorm_wmt_en_de", BASE, "label_smoothed_cross_entropy"),
+    ("transformer_wide_wmt_en_de", BASE, "label_smoothed_cross_entropy"),
+    ("transformer_deep24_wmt_en_de", DEEP, "label_smoothed_cross_entropy"),
+    ("multipath_l6_p4_wmt_en_de", DEEP, "label_smoothed_cross_entropy"),
+    ("widenet_transformer_wmt_en_de", DEEP, "label_smoothed_cross_entropy_with_moe"),
+    ("ewa_transformer_wmt_en_de", DEEP, "label_smoothed_cross_entropy_with_moe"),
+    ("parameternet_transformer_wmt_en_de", DEEP, "label_smoothed_cross_entropy_with_moe"),
+    ("moe_transformer_wmt_en_de", DEEP, "label_smoothed_cross_entropy_with_moe"),
+])
+def test_recipe_and_criterion_per_arch(arch, recipe, criterion):
+    assert recipe_for_arch(arch) is recipe and criterion_for_arch(arch) == criterion
+
+
+# (GPUs, max-tokens, update-freq), computed by hand from max-tokens x GPUs x update-freq = global.
+@pytest.mark.parametrize("recipe,gpus,max_tokens,update_freq", [
+    (BASE, 1, 4096, 8),    # 4096 x 1 x 8  = 32768
+    (BASE, 2, 4096, 4),    # 4096 x 2 x 4  = 32768
+    (BASE, 8, 4096, 1),    # 4096 x 8 x 1  = 32768: the paper's set-up
+    (BASE, 16, 2048, 1),   # 2048 x 16 x 1 = 32768: max-tokens lowered to the GPU's share
+    (DEEP, 1, 4096, 16),   # 4096 x 1 x 16 = 65536
+    (DEEP, 2, 4096, 8),    # 4096 x 2 x 8  = 65536
+    (DEEP, 8, 4096, 2),    # 4096 x 8 x 2  = 65536: the authors' "4096 x 2 per GPU"
+    (DEEP, 16, 4096, 1),   # 4096 x 16 x 1 = 65536
+])
+def test_the_papers_global_batch_on_any_gpu_count(recipe, gpus, max_tokens, update_freq):
+    plan = batch_plan(recipe, gpus)
+    assert (plan.max_tokens, plan.workers, plan.update_freq) == (max_tokens, gpus, update_freq)
+    assert plan.global_batch == recipe.global_batch
+    assert plan.arithmetic().startswith(
+        f"{max_tokens:,} max-tokens x {gpus} GPU(s) x {update_freq} update-freq = "
+        f"{recipe.global_batch:,} tokens per update")
+
+
+@pytest.mark.parametrize("recipe,total,suggestion", [
+    # 32768 / 3 and 65536 / 3 are not integers (powers of two); the suggestion is the largest
+    # batch below with update-freq ceil(total / (3 x 4096)) and max-tokens total // (3 x uf):
+    (BASE, "32,768", "--batch-tokens 32760 (3640 max-tokens x 3 workers x 3 update-freq)"),
+    (DEEP, "65,536", "--batch-tokens 65520 (3640 max-tokens x 3 workers x 6 update-freq)"),
+])
+def test_three_gpus_are_refused_with_a_batch_they_can_split(recipe, total, suggestion):
+    with pytest.raises(RecipeError) as error:
+        batch_plan(recipe, 3)
+    assert str(error.value) == (
+        f"{total} tokens per update (the paper's {recipe.tokens_per_gpu:,} per GPU x 8 GPUs) "
+        f"cannot be split evenly over 3 GPUs; use a GPU count that divides it "
+        f"(CUDA_VISIBLE_DEVICES selects them) or pass {suggestion}")
+    # The suggestion works.
+    plan = batch_plan(recipe, 3, batch_tokens=int(suggestion.split()[1]))
+    assert (plan.max_tokens, plan.update_freq) == (3640, int(suggestion.split()[-2]))
+
+
+def test_cpu_batch_is_one_gpus_share():
+    plan = batch_plan(BASE, 0)
+    assert (plan.max_tokens, plan.workers, plan.update_freq, plan.global_batch) == (4096, 1, 1, 4096)
+    plan = batch_plan(DEEP, 0)
+    assert (plan.max_tokens, plan.workers, plan.update_freq, plan.global_batch) == (4096, 1, 2, 8192)
+    assert plan.arithmetic() == ("4,096 max-tokens x 1 CPU process x 2 update-freq = 8,192 tokens "
+                                 "per update (one GPU's share of the paper's batch on the CPU)")
+
+
+@pytest.mark.parametrize("gpus,max_tokens,batch_tokens,expected", [
+    (8, None, 30000, (3750, 1)),     # 30000 / 8 = 3750 <= 4096
+    (1, None, 30000, (3750, 8)),     # 30000 = 8 x 3750; ceil(30000 / 4096) = 8 divides it
+    (2, None, 98304, (4096, 12)),    # 98304 / 2 = 49152 = 12 x 4096
+    (0, None, 65536, (4096, 16)),    # the paper's deep batch on the CPU
+    (1, 3000, None, (2048, 32)),     # DEEP on 1 GPU, cap 3000: largest divisor of 65536 <= 3000
+    (4, 5000, None, (4096, 4)),      # 65536 / 4 = 16384 = 4 x 4096 (a cap of 5000 gives 4096)
+])
+def test_max_tokens_cap_and_batch_tokens_override(gpus, max_tokens, batch_tokens, expected):
+    plan = batch_plan(DEEP, gpus, max_tokens=max_tokens, batch_tokens=batch_tokens)
+    assert (plan.max_tokens, plan.update_freq) == expected
+    assert plan.global_batch == (batch_tokens or 65536)
+    if batch_tokens:
+        assert plan.arithmetic().endswith("(--batch-tokens)")
+
+
+def test_batch_without_an_even_micro_batch_is_refused():
+    with pytest.raises(RecipeError) as error:
+        batch_plan(BASE, 1, batch_tokens=100003)  # a prime: only 1 x 100003 or 100003 x 1
+    assert str(error.value) == (
+        "100,003 tokens per worker (100,003 / 1) cannot be cut into equal micro-batches of 2,048 "
+        "to 4,096 tokens (max-tokens 4,096); pass --batch-tokens 100000 (4000 max-tokens x 1 "
+        "workers x 25 update-freq) or another max-tokens")
+
+
+def test_explicit_update_freq_replaces_the_arithmetic():
+    plan = batch_plan(DEEP, 0, max_tokens=2048, update_freq=1)  # the study's and quickstart's
+    assert (plan.max_tokens, plan.update_freq, plan.global_batch) == (2048, 1, 2048)
+    assert "--update-freq given: not the recipe's batch" in plan.arithmetic()
+    assert batch_plan(BASE, 4, update_freq=3).global_batch == 4096 * 4 * 3
+    with pytest.raises(RecipeError, match="give --batch-tokens or --update-freq, not both"):
+        batch_plan(BASE, 1, batch_tokens=4096, update_freq=2)
+
+
+def test_non_positive_values_are_refused():
+    with pytest.raises(RecipeError, match="max-tokens must be a positive integer, got 0"):
+        batch_plan(BASE, 1, max_tokens=0)
+    with pytest.raises(RecipeError, match="--batch-tokens must be a positive integer, got -5"):
+        batch_plan(BASE, 1, batch_tokens=-5)
+
+
+def _data_bin(folder, src, tgt, joined):
+    folder.mkdir()
+    (folder / f"dict.{src}.txt").write_text("a 3\nb 2\n")
+    (folder / f"dict.{tgt}.txt").write_text("a 3\nb 2\n" if joined else "c 3\n")
+    (folder / f"train.{src}-{tgt}.{src}.idx").write_bytes(b"")
+    return folder
+
+
+@pytest.mark.parametrize("src,tgt,joined,flags", [
+    ("en", "de", True, ["--share-all-embeddings"]),   # Table 2: one joined, shared embedding
+    ("de", "en", True, ["--share-all-embeddings"]),
+    ("en", "fr", True, []),                           # Table 3's sizes: nothing shared
+    ("fr", "en", False, []),
+    ("en", "ru", False, []),                          # differing dictionaries cannot be shared
+])
+def test_embedding_sharing_auto(tmp_path, src, tgt, joined, flags):
+    files = dictionary_files(_data_bin(tmp_path / "bin", src, tgt, joined))
+    assert [f.name for f in files] == [f"dict.{src}.txt", f"dict.{tgt}.txt"]
+    assert embedding_sharing(files) == flags
+
+
+def test_embedding_sharing_choices_and_errors(tmp_path):
+    joined = dictionary_files(_data_bin(tmp_path / "joined", "en", "fr", True))
+    separate = dictionary_files(_data_bin(tmp_path / "separate", "en", "de", False))
+    assert embedding_sharing(joined, "shared") == ["--share-all-embeddings"]
+    assert embedding_sharing(separate, "separate") == []
+    with pytest.raises(RecipeError, match="--embeddings shared needs a joined dictionary, but "
+                                          ".*dict.en.txt and .*dict.de.txt differ"):
+        embedding_sharing(separate, "shared")
+    with pytest.raises(RecipeError, match="--embeddings must be auto, shared or separate"):
+        embedding_sharing(joined, "tied")
+    with pytest.raises(RecipeError, match="has no dict.*.txt"):
+        dictionary_files(tmp_path / "missing")
+    three = _data_bin(tmp_path / "three", "en", "de", True)
+    (three / "dict.fr.txt").write_text("a 1\n")
+    (three / "train.en-de.en.idx").unlink()
+    with pytest.raises(RecipeError, match="dictionaries for de, en, fr: pass --source-lang and "
+                                          "--target-lang"):
+        dictionary_files(three)
+    assert [f.name for f in dictionary_files(three, "fr", "en")] == ["dict.fr.txt", "dict.en.txt"]
