@@ -248,3 +248,55 @@ def test_layers_run_in_half_precision_and_bf16_autocast():
     got = encoder.half()(big.half())
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), expected, atol=0.5, rtol=1e-2)
+
+
+def _saved_activations(module, *inputs):
+    """Tensors ``module(*inputs)`` saves for backward (parameters excluded), one per storage."""
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = tensor
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = module(*inputs)
+    return out, list(saved.values())
+
+
+@pytest.mark.parametrize("cheap", [False, True])
+def test_half_precision_layer_saves_no_fp32_copy_of_its_paths(cheap):
+    # PathNorm upcasts fp16 paths to fp32 one feature at a time; saving the upcast paths (and
+    # cheap features) for backward cost 2-3x the paths' own fp16 bytes per sublayer
+    num_paths, T, B = 3, 5, 2
+    layer = _randomize_(MultiPathEncoderLayer(D, FFN, HEADS, num_paths,
+                                              cheap_features=cheap)).half()
+    x = torch.randn(T, B, D).half().requires_grad_()
+    out, saved = _saved_activations(layer, x)
+    # fp32 only for per-token statistics (LayerNorm means and 1/std, softmax log-sum-exp): no
+    # fp32 tensor as large as one path's output, let alone the n paths
+    fp32 = [tuple(t.shape) for t in saved if t.dtype == torch.float32]
+    assert fp32 and all(math.prod(shape) < T * B * D for shape in fp32), fp32
+    paths = [t for t in saved if t.shape == (num_paths, T * B, D)]
+    assert paths and all(t.dtype == torch.float16 for t in paths)
+    out.float().square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("cheap", [False, True])
+def test_half_precision_mixer_gradients_match_fp32(cheap):
+    mixer = _randomize_(PathMixer(3, D, cheap_features=cheap))
+    paths = torch.randn(3, 5, 2, D)
+    residual = torch.randn(5, 2, D)
+    upstream = torch.randn(5, 2, D)
+    expected = torch.autograd.grad((mixer(paths.requires_grad_(), residual) * upstream).sum(),
+                                   [paths, *mixer.parameters()])
+    half_paths = paths.detach().half().requires_grad_()
+    mixer = mixer.half()
+    got = torch.autograd.grad((mixer(half_paths, residual.half()).float() * upstream).sum(),
+                              [half_paths, *mixer.parameters()])
+    for g, e in zip(got, expected):
+        assert g.dtype == torch.float16
+        torch.testing.assert_close(g.float(), e, atol=0.05, rtol=0.02)

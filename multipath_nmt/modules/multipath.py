@@ -63,48 +63,60 @@ class _NormalizedSum(torch.autograd.Function):
     paths and, with cheap features, C_j = S - P_j (S the sum of the paths), whose eps is
     eps * (n - 1)^2 because LN((S - P_j) / (n - 1)) with eps equals LN(S - P_j) with that eps.
 
-    One LayerNorm kernel per feature forward and backward (the weight folds PathNorm's gamma and
-    the path weight alpha together), the sum accumulated in place, and the gradient of the paths
-    assembled in its [n, N, d] buffer as dP_i = dH_i - dC_i + sum_j dC_j. Autograd over the same
-    ops made extra passes over every feature: the sums' copies, a stack of the n gradients, the
-    negation and expansion of S - P_j's gradient and their accumulation.
+    Computed in the dtype of ``scales`` (fp32 for half-precision paths): each feature is upcast
+    on its own, forward and backward, so only the paths in their own dtype are saved for
+    backward (an fp32 copy of fp16 paths, and of the cheap features, would double or triple
+    what the sublayer keeps); S is summed again in backward. One LayerNorm kernel per feature
+    forward and backward (the weight folds PathNorm's gamma and the path weight alpha
+    together), the sum accumulated in place, and the gradient of the paths assembled in one
+    [n, N, d] buffer as dP_i = dH_i - dC_i + sum_j dC_j. Autograd over the same ops made extra
+    passes over every feature: the sums' copies, a stack of the n gradients, the negation and
+    expansion of S - P_j's gradient and their accumulation.
     """
 
     @staticmethod
-    def forward(ctx, paths, scales, bias, eps, cheap_features):
-        n, dim = paths.size(0), paths.size(-1)
-        features = [(path, eps) for path in paths]
-        others = None
+    def _features(paths, dtype, eps, cheap_features):
+        """(feature in ``dtype``, its eps) for every feature, one at a time."""
+        n = paths.size(0)
+        for path in paths:
+            yield path.to(dtype), eps
         if cheap_features:
-            others = sums_of_others(paths)
-            features += [(other, eps * (n - 1) ** 2) for other in others]
+            total = paths.sum(0, dtype=dtype)
+            for path in paths:
+                yield total - path.to(dtype), eps * (n - 1) ** 2
+
+    @staticmethod
+    def forward(ctx, paths, scales, bias, eps, cheap_features):
+        dim = paths.size(-1)
         mixed, means, rstds = None, [], []
+        features = _NormalizedSum._features(paths, scales.dtype, eps, cheap_features)
         for (feature, feature_eps), scale in zip(features, scales):
             out, mean, rstd = torch.native_layer_norm(feature, (dim,), scale, None, feature_eps)
             mixed = out if mixed is None else mixed.add_(out)
             means.append(mean)
             rstds.append(rstd)
-        ctx.save_for_backward(paths, others, scales, torch.stack(means), torch.stack(rstds))
+        ctx.eps, ctx.cheap_features = eps, cheap_features
+        ctx.save_for_backward(paths, scales, torch.stack(means), torch.stack(rstds))
         return mixed.add_(bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        paths, others, scales, means, rstds = ctx.saved_tensors
+        paths, scales, means, rstds = ctx.saved_tensors
         n, dim = paths.size(0), paths.size(-1)
         grad = grad.contiguous()
-        features = list(paths) + ([] if others is None else list(others))
         mask = [True, ctx.needs_input_grad[1], False]
         grad_features, grad_scales = [], []
-        for feature, scale, mean, rstd in zip(features, scales, means, rstds):
+        features = _NormalizedSum._features(paths, scales.dtype, ctx.eps, ctx.cheap_features)
+        for (feature, _), scale, mean, rstd in zip(features, scales, means, rstds):
             grad_feature, grad_scale, _ = torch.ops.aten.native_layer_norm_backward(
                 grad, feature, (dim,), mean, rstd, scale, None, mask)
             grad_features.append(grad_feature)
             grad_scales.append(grad_scale)
-        if others is None:
+        if not ctx.cheap_features:
             grad_paths = torch.stack(grad_features)
         else:
-            grad_paths = torch.empty_like(paths)
+            grad_paths = torch.empty(paths.shape, dtype=scales.dtype, device=paths.device)
             grad_others = grad_features[n:]
             for i in range(n):
                 torch.sub(grad_features[i], grad_others[i], out=grad_paths[i])
@@ -114,7 +126,7 @@ class _NormalizedSum(torch.autograd.Function):
             grad_paths.add_(total)
         grad_scales = torch.stack(grad_scales) if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if ctx.needs_input_grad[2] else None
-        return grad_paths, grad_scales, grad_bias, None, None
+        return grad_paths.to(paths.dtype), grad_scales, grad_bias, None, None
 
 
 class PathMixer(nn.Module):
@@ -148,8 +160,8 @@ class PathMixer(nn.Module):
 
     def normalized_sum(self, paths: Tensor) -> Tensor:
         """sum_f alpha_f * PathNorm_f(H_f): each feature's LayerNorm takes alpha_f * gamma_f as its
-        weight (see :class:`_NormalizedSum`). Statistics of half-precision paths are computed in
-        fp32 (their squares overflow fp16)."""
+        weight (see :class:`_NormalizedSum`). Half-precision paths are normalized and summed in
+        fp32 (their squares overflow fp16), one feature at a time."""
         dtype = torch.float32 if paths.dtype in (torch.float16, torch.bfloat16) else paths.dtype
         norm = self.path_norm
         with torch.autocast(paths.device.type, enabled=False):
@@ -157,7 +169,7 @@ class PathMixer(nn.Module):
             scales = weights[:, None] * norm.weight.to(dtype)
             bias = weights @ norm.bias.to(dtype)
             shape = paths.shape
-            paths = paths.to(dtype).reshape(shape[0], -1, shape[-1])
+            paths = paths.reshape(shape[0], -1, shape[-1])
             mixed = _NormalizedSum.apply(paths, scales, bias, norm.eps, self.cheap_features)
         return mixed.view(shape[1:])
 
