@@ -1,5 +1,8 @@
-"""scripts/train.sh: the paper's recipe per architecture family, update-freq from the GPU count,
-the CPU fallback, pass-through overrides, bad input, and one real 2-update run."""
+"""scripts/train.sh: the paper's recipe per architecture family, its global batch on 1, 2, 3, 8
+and 16 GPUs (MULTIPATH_NMT_NUM_GPUS) with the arithmetic printed, --batch-tokens, the CPU
+fallback, the embedding sharing per data-bin (En-Fr: none), pass-through overrides, bad input, and
+one real 2-update run."""
+import re
 import shlex
 import sys
 
@@ -15,7 +18,9 @@ TRAIN_SH = ROOT / "scripts" / "train.sh"
 
 @pytest.fixture
 def fake_data_bin(tmp_path):
-    (tmp_path / "dict.en.txt").write_text("a 1\n")
+    """A joined-dictionary en-de data-bin (dictionaries only: --dry-run reads nothing else)."""
+    for lang in ("en", "de"):
+        (tmp_path / f"dict.{lang}.txt").write_text("a 1\n")
     return tmp_path
 
 
@@ -46,48 +51,132 @@ def test_base_recipe_on_cpu(fake_data_bin):
     assert flags["--lr-scheduler"] == "inverse_sqrt"
     assert (flags["--lr"], flags["--warmup-updates"]) == ("0.001", "8000")
     assert (flags["--max-tokens"], flags["--update-freq"]) == ("4096", "1")
+    assert ("train.sh: batch: 4,096 max-tokens x 1 CPU process x 1 update-freq = 4,096 tokens per "
+            "update (one GPU's share of the paper's batch on the CPU)") in proc.stdout
     assert flags["--criterion"] == "label_smoothed_cross_entropy" and flags["--label-smoothing"] == "0.1"
     assert flags["--share-all-embeddings"] is True and flags["--cpu"] is True
     assert "--fp16" not in flags and flags["--keep-last-epochs"] == "10"
     assert not (fake_data_bin / "save").exists()  # --dry-run runs nothing
 
 
+# The printed command gives max-tokens x GPUs x update-freq = 32,768 (base) / 65,536 (deep and
+# multi-path, and the wide archs on the deep recipe); numbers computed by hand.
 @pytest.mark.parametrize("arch,gpus,max_tokens,update_freq", [
-    ("transformer_deep24_wmt_en_de", "1", None, "2"),
-    ("multipath_transformer_wmt_en_de", "2", None, "1"),
-    ("multipath_l12_p2_wmt_en_de", "1", "2048", "4"),
-    ("widenet_transformer_wmt_en_de", "4", "1024", "2"),
-    ("ewa_transformer_wmt_en_de", "0", "4096", "2"),
+    ("transformer_prenorm_wmt_en_de", "1", "4096", "8"),
+    ("transformer_prenorm_wmt_en_de", "2", "4096", "4"),
+    ("transformer_prenorm_wmt_en_de", "8", "4096", "1"),
+    ("transformer_prenorm_wmt_en_de", "16", "2048", "1"),
+    ("transformer_deep24_wmt_en_de", "1", "4096", "16"),
+    ("multipath_transformer_wmt_en_de", "2", "4096", "8"),
+    ("multipath_l12_p2_wmt_en_de", "8", "4096", "2"),
+    ("widenet_transformer_wmt_en_de", "16", "4096", "1"),
 ])
-def test_deep_and_multipath_recipe(fake_data_bin, arch, gpus, max_tokens, update_freq):
-    args = ["--arch", arch] + (["--max-tokens", max_tokens] if max_tokens else [])
-    proc = _dry_run(fake_data_bin, *args, gpus=gpus)
+def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, update_freq):
+    proc = _dry_run(fake_data_bin, "--arch", arch, gpus=gpus)
     _, flags = _flags(proc)
-    assert (flags["--lr"], flags["--warmup-updates"]) == ("0.002", "16000")
-    assert flags["--max-tokens"] == (max_tokens or "4096") and flags["--update-freq"] == update_freq
-    workers = max(int(gpus), 1)
-    assert int(flags["--max-tokens"]) * int(update_freq) * workers == 8192
-    moe = arch.startswith(("widenet", "ewa"))
+    deep = not arch.startswith("transformer_prenorm")
+    total = 65536 if deep else 32768
+    assert (flags["--max-tokens"], flags["--update-freq"]) == (max_tokens, update_freq)
+    assert int(max_tokens) * int(gpus) * int(update_freq) == total
+    assert (f"train.sh: batch: {int(max_tokens):,} max-tokens x {gpus} GPU(s) x {update_freq} "
+            f"update-freq = {total:,} tokens per update (the paper's {total // 8:,} per GPU x 8 "
+            f"GPUs)") in proc.stdout
+    assert (flags["--lr"], flags["--warmup-updates"]) == (("0.002", "16000") if deep else ("0.001", "8000"))
+    assert flags["--fp16"] is True and "--cpu" not in flags
+    assert flags["--distributed-world-size"] == gpus
+    moe = arch.startswith("widenet")
     assert flags["--criterion"] == ("label_smoothed_cross_entropy_with_moe" if moe else "label_smoothed_cross_entropy")
+
+
+@pytest.mark.parametrize("arch,message", [
+    ("transformer_prenorm_wmt_en_de", "32,768 tokens per update (the paper's 4,096 per GPU x 8 GPUs) "
+     "cannot be split evenly over 3 GPUs; use a GPU count that divides it (CUDA_VISIBLE_DEVICES "
+     "selects them) or pass --batch-tokens 32760 (3640 max-tokens x 3 workers x 3 update-freq)"),
+    ("multipath_l6_p4_wmt_en_de", "65,536 tokens per update (the paper's 8,192 per GPU x 8 GPUs) "
+     "cannot be split evenly over 3 GPUs; use a GPU count that divides it (CUDA_VISIBLE_DEVICES "
+     "selects them) or pass --batch-tokens 65520 (3640 max-tokens x 3 workers x 6 update-freq)"),
+])
+def test_three_gpus_are_refused_with_a_batch_that_works(fake_data_bin, arch, message):
+    proc = _dry_run(fake_data_bin, "--arch", arch, gpus="3", check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"train.sh: error: {message}"
+    batch_tokens, update_freq = re.search(r"--batch-tokens (\d+) .* x (\d+) update-freq", message).groups()
+    proc = _dry_run(fake_data_bin, "--arch", arch, "--batch-tokens", batch_tokens, gpus="3")
+    _, flags = _flags(proc)
+    assert (flags["--max-tokens"], flags["--update-freq"]) == ("3640", update_freq)
+
+
+@pytest.mark.parametrize("arch,gpus,args,max_tokens,update_freq", [
+    ("multipath_l6_p2_wmt_en_de", "0", [], "4096", "2"),                      # CPU: 8,192
+    ("transformer_prenorm_wmt_en_de", "8", ["--batch-tokens", "65536"], "4096", "2"),
+    ("transformer_deep12_wmt_en_de", "1", ["--batch-tokens=30000"], "3750", "8"),
+    ("ewa_transformer_wmt_en_de", "0", ["--batch-tokens", "65536"], "4096", "16"),
+    ("transformer_deep24_wmt_en_de", "2", ["--max-tokens", "3000"], "2048", "16"),
+])
+def test_cpu_batch_batch_tokens_and_max_tokens_cap(fake_data_bin, arch, gpus, args, max_tokens, update_freq):
+    proc = _dry_run(fake_data_bin, "--arch", arch, *args, gpus=gpus)
+    _, flags = _flags(proc)
+    assert (flags["--max-tokens"], flags["--update-freq"]) == (max_tokens, update_freq)
+    assert "--batch-tokens" not in flags  # train.sh's own flag, not fairseq's
     if gpus == "0":
         assert "--cpu" in flags and "--fp16" not in flags
-    else:
-        assert flags["--fp16"] is True and "--cpu" not in flags
-        assert flags["--distributed-world-size"] == gpus
+        assert "1 CPU process" in proc.stdout
+
+
+def test_explicit_update_freq_is_kept_and_printed(fake_data_bin):
+    # The quickstart's and the study's own batch: --max-tokens 2048 --update-freq 1.
+    proc = _dry_run(fake_data_bin, "--arch", "multipath_transformer_wmt_en_de",
+                    "--max-tokens", "2048", "--update-freq", "1")
+    _, flags = _flags(proc)
+    assert (flags["--max-tokens"], flags["--update-freq"]) == ("2048", "1")
+    assert ("2,048 max-tokens x 1 CPU process x 1 update-freq = 2,048 tokens per update "
+            "(--update-freq given: not the recipe's batch)") in proc.stdout
 
 
 def test_max_tokens_from_env_and_overrides_win(fake_data_bin):
     proc = _dry_run(fake_data_bin, "--arch", "transformer_wmt_en_de", "--lr", "0.0007",
                     "--max-update", "300000", gpus="1", MAX_TOKENS="2048")
     words, flags = _flags(proc)
-    assert (flags["--max-tokens"], flags["--update-freq"]) == ("2048", "2")
+    assert (flags["--max-tokens"], flags["--update-freq"]) == ("2048", "16")  # 2048 x 16 = 32768
     assert flags["--lr"] == "0.0007" and flags["--max-update"] == "300000"
     assert words.index("0.0007") > words.index("0.001")  # after the recipe: the user's value wins
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_wmt_en_de", "--max-tokens", "1024",
+                    gpus="1", MAX_TOKENS="2048")
+    assert _flags(proc)[1]["--max-tokens"] == "1024"  # the command line wins over MAX_TOKENS
+
+
+def _two_dictionaries(folder, src, tgt, joined):
+    folder.mkdir()
+    (folder / f"dict.{src}.txt").write_text("a 1\n")
+    (folder / f"dict.{tgt}.txt").write_text("a 1\n" if joined else "b 1\n")
+    (folder / f"train.{src}-{tgt}.{src}.idx").write_bytes(b"")
+    return folder
+
+
+@pytest.mark.parametrize("src,tgt,joined,args,shared", [
+    ("en", "de", True, [], True),           # the paper's En-De: one shared embedding
+    ("en", "fr", True, [], False),          # Table 3's En-Fr sizes: nothing shared
+    ("fr", "en", False, [], False),
+    ("en", "fr", True, ["--embeddings", "shared"], True),
+    ("en", "de", True, ["--embeddings=separate"], False),
+])
+def test_embedding_sharing_follows_the_data_bin(tmp_path, src, tgt, joined, args, shared):
+    data_bin = _two_dictionaries(tmp_path / "bin", src, tgt, joined)
+    proc = _dry_run(data_bin, "--arch", "transformer_prenorm_wmt_en_de", *args)
+    _, flags = _flags(proc)
+    assert ("--share-all-embeddings" in flags) == shared
+    assert "--embeddings" not in flags and "--share-decoder-input-output-embed" not in flags
+    sharing = ("all shared (joined dictionary)" if shared else
+               "nothing shared (encoder input, decoder input, output projection)")
+    assert f"train.sh: embeddings: {sharing} for dict.{src}.txt, dict.{tgt}.txt" in proc.stdout
 
 
 @pytest.mark.parametrize("args,message", [
     (["--lr", "0.1"], "--arch ARCH is required"),
     (["--arch", "transformer_wmt_en_de", "--max-tokens", "many"], "max-tokens must be a positive integer"),
+    (["--arch", "transformer_wmt_en_de", "--batch-tokens", "0"], "--batch-tokens must be a positive integer"),
+    (["--arch", "transformer_wmt_en_de", "--batch-tokens", "8192", "--update-freq", "2"],
+     "give --batch-tokens or --update-freq, not both"),
+    (["--arch", "transformer_wmt_en_de", "--batch-tokens"], "--batch-tokens needs a value"),
 ])
 def test_bad_arguments(fake_data_bin, args, message):
     proc = _dry_run(fake_data_bin, *args, check=False)
