@@ -16,6 +16,9 @@
 * fairseq saves checkpoints atomically but *copies* ``checkpoint_last.pt`` (and the best/epoch
   copies) in place, so a kill during the copy leaves an unloadable file. Copies go through a
   temporary file and ``os.replace``.
+* fairseq 0.12 handles ``--help`` before it adds the flags of ``--arch`` (and the task, optimizer,
+  ...), so ``fairseq-train --arch A --help`` never listed the model's flags. ``--help`` now waits
+  until every flag is on the parser and shows each model flag's default for that architecture.
 """
 import argparse
 import collections
@@ -24,6 +27,7 @@ import importlib
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import typing
 
@@ -141,9 +145,63 @@ def _keep_last_batch(batch_by_size):
     return keep_last_batch
 
 
+def _arch_defaults(arch):
+    """The values an architecture function gives the flags a command line leaves unset."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    defaults = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[arch](defaults)
+    return vars(defaults)
+
+
+def _help_after_model_flags(parse_args_and_arch):
+    """``--help`` once fairseq has added the flags of the model, task, optimizer, etc.
+
+    fairseq 0.12 parses once to learn ``--arch``/``--task``/``--optimizer``..., adds their flags,
+    and parses again; ``--help`` ran in the first parse, so no model flag was ever listed. Here
+    it is held back and printed from fairseq's second ``modify_parser`` call (every flag is on
+    the parser then), each model flag followed by the default its ``--arch`` gives it.
+    """
+    @functools.wraps(parse_args_and_arch)
+    def parse_args_and_arch_with_full_help(parser, input_args=None, parse_known=False,
+                                           suppress_defaults=False, modify_parser=None):
+        argv = sys.argv[1:] if input_args is None else list(input_args)
+        rest = [a for a in argv if a not in ("-h", "--help")]
+        if len(rest) == len(argv) or suppress_defaults or not parser.add_help:
+            return parse_args_and_arch(parser, input_args, parse_known, suppress_defaults,
+                                       modify_parser)
+        first_parse = []
+
+        def modify_then_help(p):
+            if modify_parser is not None:
+                modify_parser(p)
+            if not first_parse:  # first call: only the generic flags are on the parser
+                first_parse.append(p.parse_known_args(rest)[0])
+                if getattr(first_parse[0], "arch", "") is None:  # fairseq needs an --arch to go on
+                    p.print_help()
+                    p.exit()
+                return
+            arch = getattr(first_parse[0], "arch", None)
+            try:
+                defaults = _arch_defaults(arch) if arch is not None else {}
+            except AttributeError:  # an arch reading a flag it does not set (fairseq's lightconv_lm)
+                defaults = {}
+            for action in p._actions:
+                if action.default is argparse.SUPPRESS and action.dest in defaults:
+                    value = str(defaults[action.dest]).replace("%", "%%")
+                    action.help = f"{action.help or ''} (default for {arch}: {value})"
+            p.print_help()
+            p.exit()
+
+        return parse_args_and_arch(parser, rest, parse_known, suppress_defaults, modify_then_help)
+
+    parse_args_and_arch_with_full_help.__multipath_nmt_patched__ = True
+    return parse_args_and_arch_with_full_help
+
+
 def install():
     """Idempotent: safe checkpoint loading on PyTorch >= 2.6, no lost batches, atomic copies."""
-    from fairseq import checkpoint_utils
+    from fairseq import checkpoint_utils, options
     from fairseq.data import data_utils
     from fairseq.distributed import utils as distributed_utils
     from fairseq.file_io import PathManager
@@ -159,6 +217,9 @@ def install():
         if not getattr(distributed_utils._broadcast_object_slow, "__multipath_nmt_patched__", False):
             distributed_utils._broadcast_object_slow = _trusting_broadcast(
                 distributed_utils._broadcast_object_slow)
+
+    if not getattr(options.parse_args_and_arch, "__multipath_nmt_patched__", False):
+        options.parse_args_and_arch = _help_after_model_flags(options.parse_args_and_arch)
 
     if not getattr(data_utils.batch_by_size, "__multipath_nmt_patched__", False):
         data_utils.batch_by_size = _keep_last_batch(data_utils.batch_by_size)
