@@ -55,6 +55,69 @@ def test_params_table_counts_and_flops(capsys):
     assert multipath > 1.2 * float(rows[archs[0]][2])
 
 
+# Table 3 (WMT14 En-Fr) and Tables 2/3 (En-De, De-En), in millions. En-Fr: separate dictionaries
+# of 43,616 types and no embedding shared (docs/fidelity.md derives it); En-De: one joined
+# dictionary of 34,880 types, every embedding shared.
+EN_FR_TYPES = 43616
+EN_DE_TYPES = 34880
+TABLE_3 = {
+    "transformer_prenorm_wmt_en_de": (111, 62),
+    "transformer_deep24_wmt_en_de": (168, 118),
+    "multipath_l12_p2_wmt_en_de": (168, 118),
+    "multipath_l6_p4_wmt_en_de": (168, 118),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(TABLE_3))
+def test_en_fr_and_en_de_sizes_within_1_5_percent_of_table_3(arch):
+    en_fr, en_de = TABLE_3[arch]
+    separate = params_cli.build_model(arch, EN_FR_TYPES, tgt_dict_size=EN_FR_TYPES)
+    joined = params_cli.build_model(arch, EN_DE_TYPES)
+    for model, paper in ((separate, en_fr), (joined, en_de)):
+        total = params_cli.parameter_counts(model)["total"]
+        assert abs(total / 1e6 - paper) / paper <= 0.015, (arch, total, paper)
+
+
+def test_unshared_embeddings_are_three_matrices():
+    """The arithmetic of docs/fidelity.md: 44,140,544 parameters outside the embeddings (base),
+    plus 512 per row of the encoder input, decoder input and output projection matrices."""
+    arch = "transformer_prenorm_wmt_en_de"
+    model = params_cli.build_model(arch, 43000, tgt_dict_size=EN_FR_TYPES)
+    assert model.encoder.embed_tokens.weight.shape == (43000, 512)
+    assert model.decoder.embed_tokens.weight.shape == (EN_FR_TYPES, 512)
+    assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
+    assert params_cli.parameter_counts(model)["total"] == 44140544 + 512 * (43000 + 2 * EN_FR_TYPES)
+    shared = params_cli.build_model(arch, EN_DE_TYPES)
+    assert shared.encoder.embed_tokens.weight is shared.decoder.output_projection.weight
+    assert params_cli.parameter_counts(shared)["total"] == 44140544 + 512 * EN_DE_TYPES
+
+
+def _write_dictionary(path, types):
+    path.write_text("".join(f"w{i} {types - i}\n" for i in range(types)))
+
+
+@pytest.mark.parametrize("src,tgt,joined,header", [
+    ("en", "fr", True, "Dictionaries of 1,004 (source) and 1,004 (target) types, no embedding shared"),
+    ("en", "fr", False, "Dictionaries of 1,004 (source) and 504 (target) types, no embedding shared"),
+    ("en", "de", True, "Joined dictionary of 1,004 types, shared embeddings"),
+])
+def test_params_from_a_data_bin_as_train_sh_builds_it(tmp_path, capsys, src, tgt, joined, header):
+    _write_dictionary(tmp_path / f"dict.{src}.txt", 1000)  # + 4 special symbols
+    _write_dictionary(tmp_path / f"dict.{tgt}.txt", 1000 if joined else 500)
+    (tmp_path / f"train.{src}-{tgt}.{src}.idx").write_bytes(b"")
+    params_cli.cli_main(["--data-bin", str(tmp_path), "--arch", "transformer_prenorm_wmt_en_de"])
+    out = capsys.readouterr().out
+    assert out.startswith(header)
+    unshared = 1004 + 2 * (1004 if joined else 504)
+    total = 44140544 + 512 * (1004 if header.startswith("Joined") else unshared)
+    assert f"| transformer_prenorm_wmt_en_de | {total / 1e6:.2f} | = |" in out
+
+
+def test_params_from_a_data_bin_without_dictionaries_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="has no dict.*.txt: give the data-bin folder"):
+        params_cli.cli_main(["--data-bin", str(tmp_path), "--arch", "transformer_prenorm_wmt_en_de"])
+
+
 def test_flops_are_measured_per_target_token():
     model = params_cli.build_model("multipath_transformer", 100, TINY_MODEL, device="cpu")
     flops_10 = params_cli.forward_flops_per_token(model, length=10)

@@ -1,19 +1,23 @@
 """multipath-params: parameters and forward FLOPs of every architecture of this plug-in.
 
 Models are built through fairseq's registry for a translation task with a joined dictionary of
-``--dict-size`` types and ``--share-all-embeddings`` (the paper's set-up: 34,880 types give the
-base model's 62M). Parameters are counted on the ``meta`` device (no memory, no initialisation);
+``--dict-size`` types and ``--share-all-embeddings`` (the paper's En-De: 34,880 types give the
+base model's 62M), or with ``--tgt-dict-size`` for separate dictionaries and no embedding shared
+(the paper's En-Fr: 43,616 types on each side give Table 3's 111M; docs/fidelity.md), or with the
+dictionaries and the sharing ``scripts/train.sh`` uses for a ``--data-bin``. Parameters are counted on the ``meta`` device (no memory, no initialisation);
 FLOPs are measured with ``torch.utils.flop_counter.FlopCounterMode`` on one synthetic sentence
 pair (uninitialised weights: the count depends on shapes only).
 """
 import argparse
 import sys
-from typing import Dict, List, Optional, Sequence
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import multipath_nmt  # noqa: F401  (registers the architectures)
+from multipath_nmt import recipe
 from fairseq import options
 from fairseq.data import Dictionary
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
@@ -29,19 +33,30 @@ def plugin_architectures() -> List[str]:
                   if getattr(fn, "__module__", "").startswith("multipath_nmt.models"))
 
 
-def build_model(arch: str, dict_size: int, extra_args: Sequence[str] = (), device="meta"):
-    """``arch`` built as fairseq-train builds it, for a joined dictionary of ``dict_size``
-    types with shared embeddings; ``extra_args`` are more command-line flags."""
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        "unused-data-dir", "--task", "translation", "--arch", arch, "--share-all-embeddings",
-        *extra_args])
+def _dictionary(size: int, flag: str) -> Dictionary:
     dictionary = Dictionary()
-    if dict_size < len(dictionary):
-        raise ValueError(f"--dict-size must be at least {len(dictionary)} (the special symbols)")
-    for i in range(dict_size - len(dictionary)):
+    if size < len(dictionary):
+        raise ValueError(f"{flag} must be at least {len(dictionary)} (the special symbols)")
+    for i in range(size - len(dictionary)):
         dictionary.add_symbol(f"w{i}")
-    task = TranslationTask(args, dictionary, dictionary)
+    return dictionary
+
+
+def build_model(arch: str, dict_size: int, extra_args: Sequence[str] = (), device="meta",
+                tgt_dict_size: Optional[int] = None):
+    """``arch`` built as fairseq-train builds it; ``extra_args`` are more command-line flags.
+
+    Without ``tgt_dict_size``: one joined dictionary of ``dict_size`` types and
+    ``--share-all-embeddings`` (Table 2). With it: a source dictionary of ``dict_size`` and a
+    target one of ``tgt_dict_size`` types and no embedding shared (encoder input, decoder input
+    and output projection are three matrices: the En-Fr reading of Table 3)."""
+    parser = options.get_training_parser()
+    sharing = ["--share-all-embeddings"] if tgt_dict_size is None else []
+    args = options.parse_args_and_arch(parser, [
+        "unused-data-dir", "--task", "translation", "--arch", arch, *sharing, *extra_args])
+    source = _dictionary(dict_size, "--dict-size")
+    target = source if tgt_dict_size is None else _dictionary(tgt_dict_size, "--tgt-dict-size")
+    task = TranslationTask(args, source, target)
     with torch.device(device):
         return ARCH_MODEL_REGISTRY[arch].build_model(args, task)
 
@@ -61,15 +76,17 @@ def forward_flops_per_token(model, length: int = FLOP_SEQUENCE_LENGTH) -> float:
     if any(p.is_meta for p in model.parameters()):
         model = model.to_empty(device="cpu")
     model.eval()
-    dictionary = model.encoder.dictionary
-    tokens = torch.randint(dictionary.nspecial, len(dictionary), (1, length))
+    source, target = (torch.randint(d.nspecial, len(d), (1, length))
+                      for d in (model.encoder.dictionary, model.decoder.dictionary))
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(tokens, torch.tensor([length]), tokens)
+        model(source, torch.tensor([length]), target)
     return counter.get_total_flops() / length
 
 
-def architecture_table(dict_size: int, archs: Optional[Sequence[str]] = None) -> List[dict]:
-    """One row per architecture: arch, model, total and active parameters, FLOPs per token."""
+def architecture_table(dict_size: int, archs: Optional[Sequence[str]] = None,
+                       tgt_dict_size: Optional[int] = None) -> List[dict]:
+    """One row per architecture: arch, model, total and active parameters, FLOPs per token
+    (dictionaries and sharing as :func:`build_model`)."""
     known = plugin_architectures()
     archs = list(archs) if archs else known
     unknown = [a for a in archs if a not in known]
@@ -78,16 +95,33 @@ def architecture_table(dict_size: int, archs: Optional[Sequence[str]] = None) ->
                          f"choose from {', '.join(known)}")
     rows = []
     for arch in archs:
-        model = build_model(arch, dict_size)
+        model = build_model(arch, dict_size, tgt_dict_size=tgt_dict_size)
         rows.append({"arch": arch, "model": type(model).__name__, **parameter_counts(model),
                      "flops_per_token": forward_flops_per_token(model)})
         del model
     return rows
 
 
-def format_markdown(rows: List[dict], dict_size: int) -> str:
-    lines = [f"Joined dictionary of {dict_size:,} types, shared embeddings; FLOPs: forward, per "
-             f"target token, {FLOP_SEQUENCE_LENGTH}-token source and target.", "",
+def data_bin_dictionaries(data_bin: Path) -> Tuple[int, Optional[int]]:
+    """(source or joined size, target size or None when shared) as train.sh builds the model
+    for ``data_bin``: its dictionaries and its embedding sharing (``--embeddings auto``)."""
+    try:
+        files = recipe.dictionary_files(Path(data_bin))
+        shared = recipe.embedding_sharing(files) == ["--share-all-embeddings"]
+    except recipe.RecipeError as error:
+        raise ValueError(str(error)) from error
+    sizes = [len(Dictionary.load(str(f))) for f in files]
+    return (sizes[0], None) if shared else (sizes[0], sizes[-1])
+
+
+def format_markdown(rows: List[dict], dict_size: int, tgt_dict_size: Optional[int] = None) -> str:
+    if tgt_dict_size is None:
+        vocabulary = f"Joined dictionary of {dict_size:,} types, shared embeddings"
+    else:
+        vocabulary = (f"Dictionaries of {dict_size:,} (source) and {tgt_dict_size:,} (target) "
+                      f"types, no embedding shared")
+    lines = [f"{vocabulary}; FLOPs: forward, per target token, {FLOP_SEQUENCE_LENGTH}-token "
+             f"source and target.", "",
              "| arch | params (M) | active params (M) | GFLOPs/token |",
              "|---|---:|---:|---:|"]
     for row in rows:
@@ -100,16 +134,25 @@ def format_markdown(rows: List[dict], dict_size: int) -> str:
 def cli_main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dict-size", type=int, default=34880,
-                        help="joined (shared) dictionary size, special symbols included "
-                             "(default: 34880, the paper's WMT14 En-De)")
+                        help="joined (shared) dictionary size, or the source one with "
+                             "--tgt-dict-size, special symbols included (default: 34880, the "
+                             "paper's WMT14 En-De)")
+    parser.add_argument("--tgt-dict-size", type=int,
+                        help="target dictionary size: separate dictionaries, no embedding shared "
+                             "(the paper's WMT14 En-Fr: --dict-size 43616 --tgt-dict-size 43616)")
+    parser.add_argument("--data-bin", type=Path,
+                        help="take the dictionary sizes and the embedding sharing from this "
+                             "fairseq data-bin, as scripts/train.sh does (replaces the sizes)")
     parser.add_argument("--arch", action="append",
                         help="only this architecture (repeatable; default: all of this plug-in)")
     args = parser.parse_args(argv)
     try:
-        rows = architecture_table(args.dict_size, args.arch)
+        if args.data_bin is not None:
+            args.dict_size, args.tgt_dict_size = data_bin_dictionaries(args.data_bin)
+        rows = architecture_table(args.dict_size, args.arch, args.tgt_dict_size)
     except ValueError as error:
         sys.exit(f"multipath-params: {error}")
-    sys.stdout.write(format_markdown(rows, args.dict_size))
+    sys.stdout.write(format_markdown(rows, args.dict_size, args.tgt_dict_size))
 
 
 if __name__ == "__main__":
