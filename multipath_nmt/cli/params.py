@@ -5,8 +5,9 @@ Models are built through fairseq's registry for a translation task with a joined
 base model's 62M), or with ``--tgt-dict-size`` for separate dictionaries and no embedding shared
 (the paper's En-Fr: 43,616 types on each side give Table 3's 111M; docs/fidelity.md), or with the
 dictionaries and the sharing ``scripts/train.sh`` uses for a ``--data-bin``. Parameters are
-counted on the ``meta`` device (no memory, no initialisation); FLOPs are measured with ``torch.utils.flop_counter.FlopCounterMode`` on one synthetic sentence
-pair (uninitialised weights: the count depends on shapes only).
+counted on the ``meta`` device (no memory, no initialisation); FLOPs are measured with
+``torch.utils.flop_counter.FlopCounterMode`` on one synthetic sentence pair (uninitialised
+weights: the count depends on shapes only).
 """
 import argparse
 import sys
