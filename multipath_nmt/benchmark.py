@@ -212,6 +212,36 @@ def training_flops_per_token(trainer, sample):
     return counter.get_total_flops() / sample["ntokens"]
 
 
+def micro_batch_profile(trainer, sample):
+    """What one micro-batch (``task.train_step``: the criterion's forward, its logging outputs
+    and the backward) costs beyond FLOPs: its host syncs (``HostSyncCounter``: the ops that make
+    the host wait for a GPU, counted on any device) and the bytes autograd saves for the backward
+    (the distinct storages packed by ``saved_tensors_hooks``, parameters excluded)."""
+    from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
+        pop_all_routing_stats,
+    )
+    from multipath_nmt.host_syncs import HostSyncCounter
+
+    model, criterion = trainer.model, trainer.criterion
+    sample = trainer._prepare_sample(sample)[0]
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with HostSyncCounter() as syncs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.task.train_step(sample, model, criterion, trainer.optimizer,
+                                trainer.get_num_updates())
+    model.zero_grad(set_to_none=True)
+    pop_all_routing_stats(model)  # forget the routing statistics of this extra pass
+    return {"host_syncs": syncs.total, "host_syncs_by_op": dict(syncs.by_op),
+            "saved_for_backward_mib": sum(saved.values()) / 2 ** 20}
+
+
 def matmul_peak_flops(device, dtype, n=1024, repeats=10):
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -467,6 +497,7 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
             trainer, task = build_trainer(data, flags, device, fp16, system.loop_reference)
             sample = synthetic_batch(size, len(task.source_dictionary))
             flops = training_flops_per_token(trainer, sample)
+            profile = micro_batch_profile(trainer, sample)
             trainer.train_step([sample])  # warm-up: optimizer state, allocator, caches
             steps = steps_per_measurement(
                 size, sample["ntokens"] / time_train_steps(trainer, sample, 1, device))
@@ -478,11 +509,12 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
                                         compare_to=system.compare_to,
                                         loop_reference=system.loop_reference, params=params,
                                         active_params=params - inactive,
-                                        train_flops_per_token=flops,
+                                        train_flops_per_token=flops, **profile,
                                         steps_per_measurement=steps, tokens_per_s=[],
                                         forward_backward_s=[])
             log(f"built {system.name}: {params / 1e6:.2f}M params, "
-                f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement")
+                f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement, "
+                f"{profile['host_syncs']} host syncs per micro-batch")
         for repeat in range(size["repeats"]):  # round-robin against drift
             for system in systems:
                 trainer, _, sample, forward_backward = built[system.name]
@@ -603,8 +635,9 @@ def markdown_report(result):
         "bench.json).",
         "",
         "| group | system | params | active | train MFLOP/token | tokens/s median [min-max] "
-        "| vs | MFU | step ms: fwd+bwd + update | beam sent/s | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs | MFU | step ms: fwd+bwd + update | host syncs per micro-batch "
+        "| saved for backward MiB | beam sent/s | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result["systems"].items():
         ratio = _ratio(result, name, r["compare_to"]) if r["compare_to"] else None
@@ -616,7 +649,8 @@ def markdown_report(result):
             f"| {r['group']} | {name} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M "
             f"| {r['train_flops_per_token'] / 1e6:.1f} | {_spread(r['tokens_per_s'])} | {versus} "
             f"| {100 * r['mfu']:.1f}% | {1e3 * r['forward_backward_s']['median']:.0f} + "
-            f"{1e3 * r['update_s']['median']:.0f} | {beam} | {memory} |")
+            f"{1e3 * r['update_s']['median']:.0f} | {r['host_syncs']} | "
+            f"{r['saved_for_backward_mib']:.1f} | {beam} | {memory} |")
     lines += ["", "| paths | batched tokens/s | reference tokens/s | speed-up |", "|---|---|---|---|"]
     for n, row in result["layers"]["paths"].items():
         lines.append(f"| {n} | {row['batched_tokens_per_s']:.0f} | "

@@ -28,6 +28,9 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
                                                   row["update_s"]["values"], rate["values"]):
             assert 0 < forward_backward < tokens / rate
             assert update == pytest.approx(tokens / rate - forward_backward)
+        assert isinstance(row["host_syncs"], int) and row["host_syncs"] >= 0
+        assert sum(row["host_syncs_by_op"].values()) == row["host_syncs"]
+        assert row["saved_for_backward_mib"] > 0
     deep, multipath = result["systems"]["stock deep 4L"], result["systems"]["multi-path L x 4 (full)"]
     # Same parameter budget: 4 paths x L layers vs 4L layers (PathNorm and weights are tiny).
     assert multipath["params"] == pytest.approx(deep["params"], rel=0.02)
@@ -38,12 +41,41 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
     assert {1, 3, 4, 5, 6} <= targets  # target 2 needs the plain system, not measured here
     markdown = (tmp_path / "bench.md").read_text()
     assert "| 1. multi-path L x 4 tokens/s vs deep 4L" in markdown
-    assert "| step ms: fwd+bwd + update |" in markdown
+    assert "| step ms: fwd+bwd + update | host syncs per micro-batch | saved for backward MiB |" \
+        in markdown
     assert "ParameterNet routed FFN (both projections, E 4, C 1.2): " in markdown
     cheap_row = next(line for line in markdown.splitlines()
                      if "| multi-path L x 4 (+cheap features) |" in line)
     assert cheap_row.split("|")[7].strip() == ""  # its "vs" cell: the plain system was not run
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_every_system_reports_host_syncs_and_saved_bytes_of_one_micro_batch():
+    """multipath-bench's per-system host-sync count (``HostSyncCounter`` over the task's
+    train_step: forward, criterion, backward) and saved-for-backward bytes, at the tiny size."""
+    from multipath_nmt import benchmark
+    from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
+        pop_all_routing_stats,
+    )
+
+    size = benchmark.SIZES["tiny"]
+    profiles = {}
+    with benchmark.fake_data_dir(size["vocab"]) as data:
+        for system in benchmark.systems_for(size):
+            trainer, task = benchmark.build_trainer(data, benchmark.fairseq_flags(size, system),
+                                                    "cpu", False, system.loop_reference)
+            sample = benchmark.synthetic_batch(size, len(task.source_dictionary))
+            profiles[system.name] = benchmark.micro_batch_profile(trainer, sample)
+            # the extra pass leaves no gradients and no routing statistics behind
+            assert all(p.grad is None for p in trainer.model.parameters())
+            assert pop_all_routing_stats(trainer.model) == []
+    for name, profile in profiles.items():
+        assert isinstance(profile["host_syncs"], int) and profile["host_syncs"] >= 0, name
+        assert sum(profile["host_syncs_by_op"].values()) == profile["host_syncs"], name
+    saved = {name: profile["saved_for_backward_mib"] for name, profile in profiles.items()}
+    # four times the encoder layers keep more activations for the backward
+    assert saved["stock deep 4L"] > 1.5 * saved["stock prenorm L"] > 0
 
 
 def test_fast_systems_are_timed_over_as_long_a_window_as_slow_ones():
