@@ -1,12 +1,15 @@
-"""ParameterNet FFNs: dynamic mixing = explicit per-sentence weighted sum, padding-blind pooling,
-routed mode = a naive per-token reference, parameter accounting, training through fairseq-train."""
+"""ParameterNet FFNs: dynamic mixing = explicit per-sentence weighted sum (and = the former
+autograd formulation in float64, with far fewer saved bytes), padding-blind pooling, fp32 sums
+over time in half precision, the paper's router width, routed mode = a naive per-token
+reference without router noise, parameter accounting, training through fairseq-train."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from multipath_nmt.modules.moe import RoutingStats
 from multipath_nmt.modules.parameternet import (DynamicLinear, ParameterNetFeedForward,
-                                                RoutedLinear, masked_mean)
+                                                RoutedLinear, _MixedProjection, masked_mean)
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
 
 
@@ -38,6 +41,133 @@ def test_padding_does_not_change_the_pooled_vector():
     layer = DynamicLinear(8, 5, num_experts=3)
     real = ~padding.t()
     assert torch.allclose(layer(x, padding)[real], layer(garbage, padding)[real])
+
+
+def _autograd_reference(layer, x, padding):
+    """The former DynamicLinear.forward: every sentence's W' built and kept by autograd."""
+    alpha = layer.mixing_weights(x, padding).to(x.dtype)
+    num_experts, in_features, out_features = layer.weight.shape
+    weight = (alpha @ layer.weight.view(num_experts, -1)).view(-1, in_features, out_features)
+    bias = alpha @ layer.bias
+    return torch.baddbmm(bias.unsqueeze(1), x.transpose(0, 1), weight).transpose(0, 1)
+
+
+def test_dynamic_linear_equals_the_autograd_formulation_in_float64():
+    torch.manual_seed(0)
+    layer = DynamicLinear(8, 5, num_experts=3).double()
+    x, padding = _batch()
+    x = x.double().requires_grad_()
+    grad = torch.randn(6, 3, 5, dtype=torch.float64)
+    results = []
+    for forward in (layer, lambda x, padding: _autograd_reference(layer, x, padding)):
+        out = forward(x, padding)
+        grads = torch.autograd.grad(out, [x, *layer.parameters()], grad)
+        results.append((out, grads))
+    (out, grads), (expected, expected_grads) = results
+    assert torch.allclose(out, expected, rtol=0, atol=1e-12)
+    for got, want in zip(grads, expected_grads):  # x, W, b and the coefficient MLP's
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_mixed_projection_passes_gradcheck():
+    torch.manual_seed(0)
+    inputs = (torch.randn(3, 4, 5), torch.softmax(torch.randn(3, 2), -1), torch.randn(2, 5, 6),
+              torch.randn(2, 6))
+    inputs = tuple(t.double().requires_grad_() for t in inputs)
+    assert torch.autograd.gradcheck(_MixedProjection.apply, inputs)
+
+
+def _saved_bytes(module, x, *args):
+    """Bytes of the activations autograd keeps for backward (storages counted once, parameters
+    not counted)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x, *args)
+    return sum(storages.values())
+
+
+class _DenseFFN(nn.Module):
+    def __init__(self, embed_dim, ffn_dim):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(embed_dim, ffn_dim), nn.Linear(ffn_dim, embed_dim)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("length", [28, 10])
+def test_dynamic_ffn_saves_at_most_twice_a_dense_ffn(length):
+    """At d 256, FFN 1024, M 4, about 1,024 tokens. The kept W' grow as sentences * d * FFN, the
+    activations as tokens * (d + FFN): their ratio was 2 d FFN / (length (d + FFN)), 15 at 28
+    tokens a sentence here, 29 at d 512 and FFN 2048."""
+    torch.manual_seed(0)
+    x = torch.randn(length, 1024 // length, 256, requires_grad=True)
+    dense = _saved_bytes(_DenseFFN(256, 1024), x)
+    ffn = ParameterNetFeedForward(256, 1024, 4, proj="both", mode="dynamic")
+    saved = _saved_bytes(ffn, x, None)
+    assert saved <= 2 * dense, (saved, dense)
+
+    class Former(nn.Module):  # the same FFN with the autograd formulation of both projections
+        def __init__(self):
+            super().__init__()
+            self.ffn = ffn
+
+        def forward(self, x, padding):
+            hidden = F.relu(_autograd_reference(ffn.fc1, x, padding))
+            return _autograd_reference(ffn.fc2, hidden, padding)
+
+    assert _saved_bytes(Former(), x, None) > 10 * dense  # what rebuilding W' in backward saves
+
+
+def test_half_precision_follows_float32_where_a_sum_over_time_overflows_fp16():
+    """300 tokens of activation 300 sum to 90,000, past fp16's largest value (65,504): the pooled
+    mean and the layer's output and gradients must still follow the float32 computation."""
+    torch.manual_seed(0)
+    layer = DynamicLinear(4, 3, num_experts=2)
+    padding = torch.zeros(2, 300, dtype=torch.bool)
+    padding[1, 200:] = True
+    x = torch.full((300, 2, 4), 300.0)
+    assert torch.equal(masked_mean(x.half(), padding), torch.full((2, 4), 300.0).half())
+    results = []
+    for dtype in (torch.float32, torch.float16):
+        module = DynamicLinear(4, 3, num_experts=2).to(dtype)
+        module.load_state_dict(layer.state_dict())
+        inputs = x.to(dtype).detach().requires_grad_()
+        out = module(inputs, padding)
+        out.backward(torch.full_like(out, 1e-3))
+        results.append([out, inputs.grad, *(p.grad for p in module.parameters())])
+    for full, half in zip(*results):
+        assert torch.isfinite(half).all()
+        assert torch.allclose(half.float(), full, rtol=1e-2, atol=1e-2)
+
+
+def test_router_widths_and_noise_are_the_papers():
+    # Eq. 4's MLP with C_in hidden units (C_in^2 + C_in M weights in the complexity analysis)
+    layer = DynamicLinear(8, 5, num_experts=3)
+    assert [m.weight.shape for m in layer.coefficients if isinstance(m, nn.Linear)] == [
+        (8, 8), (3, 8)]
+    # the language models' router: one linear layer (hidden size -> experts), no noise mentioned
+    routed = ParameterNetFeedForward(8, 16, 3, proj="up", mode="routed")
+    assert routed.fc1.router.weight.shape == (3, 8) and routed.fc1.router.noise is False
+
+
+@pytest.mark.parametrize("mode, proj", [("routed", "up"), ("dynamic", "both")])
+def test_default_projection_per_mode(mode, proj):
+    from argparse import Namespace
+
+    from multipath_nmt.models.moe_transformer import moe_transformer
+
+    args = Namespace(encoder_ffn="parameternet", parameternet_mode=mode)
+    moe_transformer(args)
+    assert args.parameternet_proj == proj and args.parameternet_experts == 4
 
 
 def test_routed_linear_equals_naive_per_token_reference():

@@ -1,14 +1,17 @@
-"""ParameterNet FFNs: Han et al. (2024), "ParameterNet: Parameters Are All You Need for Large-scale
-Visual Pretraining of Mobile Networks" (arXiv:2306.14525), applied to a Transformer FFN.
+"""ParameterNet FFNs: Han et al. (2023), "ParameterNet: Parameters Are All You Need"
+(arXiv:2306.14525), applied to a Transformer FFN.
 
 A chosen projection (fc1 "up", fc2 "down" or both) holds M weight matrices W_1..W_M instead of one:
 
-- dynamic (the paper's Eq. 4, dynamic-convolution style): per sentence,
-  W' = sum_i alpha_i W_i with alpha = softmax(MLP(mean-pool(x))) (pooling over non-padding tokens),
-  then one ordinary projection with W': about M times the parameters at nearly the same FLOPs.
-- routed: a top-1 routed mixture (Switch-style): each token's projection uses the matrix its
-  router picks, scaled by the router probability, with the MoE layer's capacity and balance loss;
-  tokens over capacity are dropped and the whole FFN outputs 0 for them (the residual carries them).
+- dynamic (Sec. 4.2, Eqs. 3-4, dynamic-convolution style): per sentence,
+  W' = sum_i alpha_i W_i with alpha = softmax(MLP(mean-pool(x))) (pooling over non-padding tokens;
+  the MLP's hidden width is the input width, as the paper's parameter count C_in^2 + C_in M has
+  it), then one ordinary projection with W': about M times the parameters at nearly the same
+  FLOPs. W' is rebuilt in backward instead of being kept (:class:`_MixedProjection`).
+- routed (Sec. 4.3, the language models): a top-1 routed mixture (Switch-style, no router noise):
+  each token's projection uses the matrix its router picks, scaled by the router probability,
+  with the MoE layer's capacity and balance loss; tokens over capacity are dropped and the whole
+  FFN outputs 0 for them (the residual carries them).
 
 Every module takes time-major x [T, B, d] and padding_mask [B, T] (True = padding) or None, like
 fairseq's encoder layers and :class:`multipath_nmt.modules.moe.MoEFeedForward`.
@@ -25,16 +28,59 @@ MODES = ("routed", "dynamic")
 
 
 def masked_mean(x, padding_mask):
-    """Mean over the non-padding time steps of x [T, B, d] -> [B, d]."""
+    """Mean over the non-padding time steps of x [T, B, d] -> [B, d], summed in fp32 (a sum of
+    half-precision activations over a sentence overflows fp16's 65,504), returned in x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
     if padding_mask is None:
-        return x.mean(0)
+        return x.mean(0, dtype=dtype).to(x.dtype)
     keep = (~padding_mask).t().unsqueeze(-1)
-    return x.masked_fill(~keep, 0).sum(0) / keep.sum(0).clamp(min=1).to(x.dtype)
+    total = x.masked_fill(~keep, 0).sum(0, dtype=dtype)
+    return (total / keep.sum(0).clamp(min=1)).to(x.dtype)
+
+
+def _mixed_weights(alpha, weight):
+    """W'_b = sum_i alpha_bi W_i for every sentence b: [B, M] x [M, in, out] -> [B, in, out]."""
+    num_experts, in_features, out_features = weight.shape
+    return (alpha @ weight.view(num_experts, -1)).view(-1, in_features, out_features)
+
+
+class _MixedProjection(torch.autograd.Function):
+    """y_b = x_b W'_b + b'_b with (W'_b, b'_b) = sum_i alpha_bi (W_i, b_i), for x [B, T, in].
+
+    Autograd would keep every sentence's W' (B * in * out values per layer, 30 times a dense
+    FFN's saved activations at 28 tokens a sentence); this keeps only x and alpha and rebuilds
+    W' in backward (one [B, M] @ [M, in * out] product more, the FLOPs stay the dense
+    projection's plus O(B * M * in * out)). Gradients, with G_b = x_b^T dy_b [in, out]:
+    dx_b = dy_b W'_b^T, d alpha_bi = <G_b, W_i> + <sum_t dy_bt, b_i>,
+    dW_i = sum_b alpha_bi G_b, db_i = sum_b alpha_bi sum_t dy_bt (sums over time in fp32).
+    """
+
+    @staticmethod
+    def forward(ctx, x, alpha, weight, bias):
+        ctx.save_for_backward(x, alpha, weight, bias)
+        return torch.baddbmm((alpha @ bias).unsqueeze(1), x, _mixed_weights(alpha, weight))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, alpha, weight, bias = ctx.saved_tensors
+        grad_x = grad_alpha = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.bmm(grad, _mixed_weights(alpha, weight).transpose(1, 2))
+        if any(ctx.needs_input_grad[1:]):
+            num_experts = weight.shape[0]
+            grad_sum = grad.sum(1, dtype=torch.promote_types(grad.dtype, torch.float32)).to(
+                grad.dtype)  # [B, out]
+            grad_mixed = torch.bmm(x.transpose(1, 2), grad).view(x.shape[0], -1)  # [B, in*out]
+            grad_alpha = grad_mixed @ weight.view(num_experts, -1).t() + grad_sum @ bias.t()
+            grad_weight = (alpha.t() @ grad_mixed).view_as(weight)
+            grad_bias = alpha.t() @ grad_sum
+        return grad_x, grad_alpha, grad_weight, grad_bias
 
 
 class DynamicLinear(nn.Module):
     """y = x W' + b' with (W', b') = sum_i alpha_i (W_i, b_i), alpha = softmax(MLP(mean-pool(x)))
-    per sentence (ParameterNet Eq. 4; the MLP is DynamicConv's pool -> FC -> ReLU -> FC).
+    per sentence (ParameterNet Eqs. 3-4; the MLP is DynamicConv's pool -> FC -> ReLU -> FC, its
+    hidden width ``in_features`` by default, as the paper's count of C_in^2 + C_in M parameters).
 
     ``weight`` is [M, in, out] (x @ W_i, the transpose of nn.Linear's layout), so that every
     sentence's W' comes out of one [B, M] @ [M, in * out] matmul in the layout its batched
@@ -43,12 +89,12 @@ class DynamicLinear(nn.Module):
     is inactive (no ``inactive_parameter_count``): the saving is in FLOPs, not in parameters.
     """
 
-    def __init__(self, in_features, out_features, num_experts, reduction=4):
+    def __init__(self, in_features, out_features, num_experts, hidden_features=None):
         super().__init__()
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features))
-        hidden = max(in_features // reduction, num_experts)
+        hidden = in_features if hidden_features is None else hidden_features
         self.coefficients = nn.Sequential(
             nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_experts))
         init_experts_like_linear_(self.weight, self.bias, in_features)
@@ -59,11 +105,16 @@ class DynamicLinear(nn.Module):
 
     def forward(self, x, padding_mask=None):
         """x [T, B, in] -> [T, B, out] (a transposed view of a [B, T, out] result)."""
-        alpha = self.mixing_weights(x, padding_mask).to(x.dtype)
-        num_experts, in_features, out_features = self.weight.shape
-        weight = (alpha @ self.weight.view(num_experts, -1)).view(-1, in_features, out_features)
-        bias = alpha @ self.bias
-        return torch.baddbmm(bias.unsqueeze(1), x.transpose(0, 1), weight).transpose(0, 1)
+        alpha = self.mixing_weights(x, padding_mask)
+        device = x.device.type
+        # the product runs in the dtype autocast would pick (x's own without autocast), with
+        # autocast off inside: backward then sees the dtypes forward used
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else x.dtype)
+        with torch.autocast(device, enabled=False):
+            out = _MixedProjection.apply(x.transpose(0, 1).to(dtype), alpha.to(dtype),
+                                         self.weight.to(dtype), self.bias.to(dtype))
+        return out.transpose(0, 1)
 
 
 class RoutedLinear(nn.Module):
@@ -71,7 +122,7 @@ class RoutedLinear(nn.Module):
     and the Switch balance loss (:class:`~multipath_nmt.modules.moe.TopKRouter`, k = 1)."""
 
     def __init__(self, in_features, out_features, num_experts, capacity_factor=1.2,
-                 router_noise=True):
+                 router_noise=False):
         super().__init__()
         self.num_experts = num_experts
         self.router = TopKRouter(in_features, num_experts, k=1, capacity_factor=capacity_factor,
@@ -106,7 +157,7 @@ class ParameterNetFeedForward(nn.Module):
 
     def __init__(self, embed_dim, ffn_dim, num_experts, proj="both", mode="dynamic",
                  activation_fn=F.relu, activation_dropout=0.0, capacity_factor=1.2,
-                 router_noise=True):
+                 router_noise=False):
         super().__init__()
         if proj not in PROJECTIONS:
             raise ValueError(f"unknown ParameterNet projection {proj!r}; choose one of {PROJECTIONS}")
