@@ -12,7 +12,10 @@ Everything except the FFN sub-block of the chosen encoder layers is fairseq's ow
   top-1 routed MoEs (learned router, capacity, balance loss) that get the EWA update after each of
   the first F * --max-update steps, with the same share-rate schedule b(n) as plain EWA, then train
   as plain MoEs and stay MoEs at inference (so they cannot be folded into a dense FFN).
-- ``--encoder-ffn parameternet``: ParameterNet projections (Han et al., 2024) in every layer.
+- ``--encoder-ffn parameternet``: ParameterNet projections (Han et al., 2023) in every layer:
+  dynamic (the paper's vision models: per-sentence mixing of M matrices, on both projections by
+  our choice) or routed (the paper's language models: top-1 routing without router noise, on the
+  up projection by default).
 """
 import logging
 
@@ -205,12 +208,20 @@ class MoETransformerModel(TransformerModel):
                             help="start every EWA expert as a copy of the FFN of the same layer "
                                  "of this dense transformer checkpoint (EWA fine-tuning)")
         parser.add_argument("--parameternet-proj", choices=PROJECTIONS,
-                            help="ParameterNet: which FFN projection(s) hold M matrices")
+                            help="ParameterNet: which FFN projection(s) hold M matrices (default: "
+                                 "up when routed, one projection as the paper's language models, "
+                                 "whose Table 7 is best on the up projection; both when dynamic, "
+                                 "our choice)")
         parser.add_argument("--parameternet-mode", choices=MODES,
-                            help="ParameterNet: routed (top-1 router per token) or dynamic "
-                                 "(softmax(MLP(mean-pool(x)))-weighted sum per sentence)")
+                            help="ParameterNet: routed (the paper's language models: a linear "
+                                 "top-1 router per token, no router noise, Switch balance loss "
+                                 "via the moe criterion) or dynamic (the paper's Eqs. 3-4: "
+                                 "softmax(MLP(mean-pool(x)))-weighted sum per sentence, the MLP "
+                                 "as wide as its input) (default: dynamic)")
         parser.add_argument("--parameternet-experts", type=int, metavar="M",
-                            help="ParameterNet: matrices per chosen projection (at least 2)")
+                            help="ParameterNet: matrices per chosen projection, at least 2 "
+                                 "(default 4, the paper's default; its language models use 4 "
+                                 "and 8)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -264,8 +275,9 @@ def moe_transformer(args):
     args.ewa_schedule = getattr(args, "ewa_schedule", "linear")
     args.ewa_stop_at = getattr(args, "ewa_stop_at", None)
     args.ewa_init_from = getattr(args, "ewa_init_from", None)
-    args.parameternet_proj = getattr(args, "parameternet_proj", "both")
     args.parameternet_mode = getattr(args, "parameternet_mode", "dynamic")
+    args.parameternet_proj = getattr(args, "parameternet_proj",
+                                     "up" if args.parameternet_mode == "routed" else "both")
     args.parameternet_experts = getattr(args, "parameternet_experts", 4)
     args.max_update = getattr(args, "max_update", 0)
     transformer_prenorm_wmt_en_de(args)
