@@ -12,24 +12,34 @@ GPU and rules out CUDA graphs and a whole-graph ``torch.compile``.
     syncs.total, syncs.by_op  # e.g. 2, {"aten._local_scalar_dense": 1, "aten.nonzero": 1}
 
 Ops are recognised by PyTorch's own tags (``data_dependent_output``, ``dynamic_output_shape``)
-plus the few cases the tags miss or over-report. On a CPU-only run, where every tensor stands
-for a device tensor:
-- ``.cpu()``, ``.numpy()``, ``.tolist()`` and ``.to("cpu")`` (the string) of a CPU tensor count
-  as device-to-host copies; ``.to(some_tensor.device)`` does not, because device-generic code
-  moves host-made tensors to the model's device that way (a host-to-device move on a GPU).
+plus the few cases the tags miss or over-report. ``by_site`` names where each sync was called
+from (the innermost frame outside PyTorch), so a caller can tell its own syncs from a library's.
+
+On a CPU-only run every tensor stands for a device tensor, except those a GPU run would also
+keep on the host: tensors made by a factory (``torch.tensor``, ``torch.arange``, ...) without a
+``device`` or with ``device="cpu"``, shapes as tensors (``shape_as_tensor``), results of
+``.cpu()``, and whatever is computed from such tensors alone. Reading those is not counted.
+- ``.cpu()``, ``.numpy()``, ``.tolist()`` and ``.to("cpu")`` (the string) of a device tensor
+  count as device-to-host copies; ``.to(some_tensor.device)`` does not (device-generic code moves
+  host-made tensors to the model's device that way: a host-to-device move on a GPU), and its
+  result counts as a device tensor.
 - ``one_hot`` with ``num_classes`` counts nothing: its CPU kernel checks the class range with
   ``.item()``, its CUDA kernel relies on device asserts. Without ``num_classes`` it counts once.
-- Host-to-device copies (``torch.tensor(list, device="cuda")``) cannot be told apart from host
-  tensors there and are not counted; on a real device, every blocking copy between the host and
-  the device counts.
+- Host-to-device copies are not seen there (they are no-ops on the CPU); on a real device every
+  blocking copy between the host and the device counts.
 """
+import os
+import traceback
 from typing import Dict, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
 aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 # Composite: always reaches the dispatcher as _local_scalar_dense, which is counted instead.
 _NOT_COUNTED = {aten.item.default}
@@ -97,9 +107,17 @@ def _sync_name(func, args, kwargs) -> Optional[str]:
     return None
 
 
+def _tensors(args, kwargs):
+    return [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+
+
+def _is_cpu_string(device) -> bool:
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
+
+
 class _HostSyncFunctionMode(TorchFunctionMode):
-    """What the dispatcher cannot see: device-to-host copies of CPU tensors (no-ops there) and
-    ``one_hot``'s CPU-only range check."""
+    """What the dispatcher cannot see: which tensors are made on the host, device-to-host copies
+    of CPU tensors (no-ops there) and ``one_hot``'s CPU-only range check."""
 
     def __init__(self, counter: "HostSyncCounter"):
         super().__init__()
@@ -107,31 +125,49 @@ class _HostSyncFunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DEVICE_TO_HOST_METHODS and args[0].device.type == "cpu":
-            self.counter._record(_DEVICE_TO_HOST_METHODS[func])
-        elif func is torch.Tensor.to and args[0].device.type == "cpu" and any(
-                isinstance(target, str) and target.split(":")[0] == "cpu"
-                for target in (*args[1:], kwargs.get("device"))):
-            self.counter._record("Tensor.to('cpu')")
-        elif func is torch.nn.functional.one_hot:
+        counter = self.counter
+        tensors = _tensors(args, kwargs)
+        if func is torch.nn.functional.one_hot:
             num_classes = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
-            if num_classes < 0:
-                self.counter._record("one_hot (no num_classes)")
-            self.counter._ignore_scalar_reads += 1
+            if num_classes < 0 and not counter._is_host(args[0]):
+                counter._record("one_hot (no num_classes)")
+            counter._ignore_scalar_reads += 1
             try:
                 return func(*args, **kwargs)
             finally:
-                self.counter._ignore_scalar_reads -= 1
-        return func(*args, **kwargs)
+                counter._ignore_scalar_reads -= 1
+        to_host = None
+        if func in _DEVICE_TO_HOST_METHODS:
+            to_host = _DEVICE_TO_HOST_METHODS[func]
+        elif func is torch.Tensor.to:
+            targets = [*args[1:], kwargs.get("device")]
+            if any(_is_cpu_string(target) for target in targets):
+                to_host = "Tensor.to('cpu')"
+            elif any(isinstance(target, (str, torch.device)) for target in targets):
+                to_host = "to a device"
+        if to_host is not None and to_host != "to a device" and args[0].device.type == "cpu" \
+                and not counter._is_host(args[0]):
+            counter._record(to_host)
+        result = func(*args, **kwargs)
+        if to_host == "to a device":
+            counter._forget_host(result)
+        elif to_host is not None or func is torch._shape_as_tensor or (not tensors and (
+                kwargs.get("device") is None or _is_cpu_string(kwargs["device"]))):
+            counter._mark_host(result)
+        return result
 
 
 class HostSyncCounter(TorchDispatchMode):
-    """Counts host syncs (see the module docstring) in ``total`` and per op in ``by_op``."""
+    """Counts host syncs (see the module docstring) in ``total``, per op in ``by_op`` and per
+    calling line ("file:line") in ``by_site``."""
 
     def __init__(self):
         super().__init__()
         self.by_op: Dict[str, int] = {}
+        self.by_site: Dict[str, int] = {}
         self._ignore_scalar_reads = 0
+        self._host_tensors = WeakTensorKeyDictionary()
+        self._device_seen = False
         self._function_mode = _HostSyncFunctionMode(self)
 
     @property
@@ -140,6 +176,22 @@ class HostSyncCounter(TorchDispatchMode):
 
     def _record(self, name: str) -> None:
         self.by_op[name] = self.by_op.get(name, 0) + 1
+        site = _calling_site()
+        self.by_site[site] = self.by_site.get(site, 0) + 1
+
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor in self._host_tensors or (self._device_seen
+                                                and tensor.device.type == "cpu")
+
+    def _mark_host(self, result) -> None:
+        for leaf in tree_leaves(result):
+            if isinstance(leaf, torch.Tensor):
+                self._host_tensors[leaf] = True
+
+    def _forget_host(self, result) -> None:
+        for leaf in tree_leaves(result):
+            if isinstance(leaf, torch.Tensor):
+                self._host_tensors.pop(leaf, None)
 
     def __enter__(self):
         self._function_mode.__enter__()
@@ -157,8 +209,26 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _sync_name(func, args, kwargs)
-        if name is not None and not (self._ignore_scalar_reads
-                                     and func is aten._local_scalar_dense.default):
-            self._record(name)
-        return func(*args, **kwargs)
+        tensors = _tensors(args, kwargs)
+        if not self._device_seen and any(t.device.type != "cpu" for t in tensors):
+            self._device_seen = True
+        result = func(*args, **kwargs)
+        on_host = func is aten._shape_as_tensor.default or (
+            tensors and all(self._is_host(t) for t in tensors))
+        if on_host:
+            self._mark_host(result)
+        elif not (self._ignore_scalar_reads and func is aten._local_scalar_dense.default):
+            name = _sync_name(func, args, kwargs)
+            if name is not None:
+                self._record(name)
+        return result
+
+
+def _calling_site() -> str:
+    """The innermost frame outside PyTorch and this module, as "path:line"."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename
+        if path == __file__ or path.startswith(_TORCH_DIR) or "contextlib" in path:
+            continue
+        return f"{path}:{frame.lineno}"
+    return "?"

@@ -86,3 +86,28 @@ def test_counts_add_up_and_reset_per_context():
     assert fresh.total == 1
     values.nonzero()  # outside any counter: nothing recorded
     assert syncs.total == 4 and fresh.total == 1
+
+
+def test_tensors_a_gpu_run_keeps_on_the_host_are_not_counted():
+    """Factory tensors without a device, shapes as tensors and what is computed from them alone
+    live on the host in a GPU run too: reading them is free. Moved to a tensor's device, they
+    stand for device tensors again; copied to the host, they are read once."""
+    with HostSyncCounter() as syncs:
+        flag = torch.tensor(False)
+        assert not bool(flag)
+        shape = torch._shape_as_tensor(floats)
+        assert int(shape[0] + 1) == 5
+        assert torch.arange(3, device="cpu").tolist() == [0, 1, 2]
+        assert floats.cpu().tolist()[0] == 0.5  # one copy, then a host read
+    assert syncs.by_op == {"Tensor.cpu": 1}
+    with HostSyncCounter() as syncs:
+        moved = torch.arange(3).to(floats.device)
+        int(moved[0])
+    assert syncs.by_op == {"aten._local_scalar_dense": 1}
+
+
+def test_by_site_names_the_calling_line():
+    with HostSyncCounter() as syncs:
+        values.nonzero(); values.nonzero()  # noqa: E702 (one line, two syncs)
+    (site, count), = syncs.by_site.items()
+    assert site.startswith(__file__ + ":") and count == 2
