@@ -1,12 +1,15 @@
 """The multipath_transformer fairseq model: presets, flags, parameter counts, decoding, training."""
 import math
 import re
+from collections import Counter
 
 import pytest
 import torch
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fairseq import options
+from fairseq.sequence_generator import SequenceGenerator
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from multipath_nmt.cli.params import build_model, parameter_counts
 from multipath_nmt.models.multipath_transformer import PRESETS
@@ -158,6 +161,55 @@ def test_incremental_decoding_with_beam_reordering_equals_full_forward():
     torch.testing.assert_close(torch.cat(steps[:3], 1), full[:, :3], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(steps[3:], 1), full_swapped[:, 3:], atol=1e-5,
                                rtol=1e-5)
+
+
+class _Gathers(TorchDispatchMode):
+    """The output shape of every index_select (how beam search reorders its caches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.index_select.default:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def _beam_search(model, sample, share_encoder_keys):
+    generator = SequenceGenerator([model], model.decoder.dictionary, beam_size=4, max_len_b=12)
+    if not share_encoder_keys:  # the encoder keys/values per hypothesis, reordered every step
+        model.set_beam_size(1)
+    with torch.no_grad(), _Gathers() as gathers:
+        hypotheses = generator.generate([model], sample)
+    return hypotheses, gathers.shapes
+
+
+def test_beam_search_keeps_encoder_keys_per_sentence_and_does_not_reorder_them():
+    model = _tiny("multipath_transformer", "--encoder-paths", "3", "--cheap-features",
+                  "--decoder-paths", "2")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    pad = model.encoder.padding_idx
+    src = torch.randint(4, 100, (4, 9))
+    src[1, :3] = pad
+    src[3, :5] = pad
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(pad).sum(1)}}
+    before, gathers_before = _beam_search(model, sample, share_encoder_keys=False)
+    after, gathers_after = _beam_search(model, sample, share_encoder_keys=True)
+    for sentence_before, sentence_after in zip(before, after):
+        for hypothesis_before, hypothesis_after in zip(sentence_before, sentence_after):
+            assert torch.equal(hypothesis_before["tokens"], hypothesis_after["tokens"])
+            torch.testing.assert_close(hypothesis_before["score"], hypothesis_after["score"])
+    # per step, the only gathers that go are those of the encoder keys and values
+    # [hypotheses, paths x heads, source length, head dim]: two per step and decoder layer
+    encoder_keys = (4 * 4, 2 * 2, 9, 16)
+    removed = Counter(gathers_before) - Counter(gathers_after)
+    steps = len(before[0][0]["tokens"])
+    assert removed == {encoder_keys: 2 * (steps - 1)}
+    assert not Counter(gathers_after) - Counter(gathers_before)
 
 
 @pytest.mark.parametrize("arch", ["multipath_transformer_wmt_en_de"] + [

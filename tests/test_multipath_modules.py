@@ -300,3 +300,40 @@ def test_half_precision_mixer_gradients_match_fp32(cheap):
     for g, e in zip(got, expected):
         assert g.dtype == torch.float16
         torch.testing.assert_close(g.float(), e, atol=0.05, rtol=0.02)
+
+
+def test_beam_search_cache_keeps_encoder_keys_per_sentence():
+    # 3 sentences x 2 beams: with set_beam_size the encoder-decoder attention keeps one copy of
+    # the encoder's keys/values per sentence and the beam reorders leave it alone, with the same
+    # outputs as keys/values per hypothesis reordered at every step; a finished sentence leaving
+    # the batch takes its copy with it
+    layer = _randomize_(MultiPathDecoderLayer(D, FFN, HEADS, 3, cheap_features=True)).double()
+    layer.eval()
+    beams, sentences = 2, 3
+    x = torch.randn(4, sentences * beams, D, dtype=torch.float64)
+    encoder_out, source_padding = _inputs(T=8, B=sentences)
+    encoder_out = encoder_out.repeat_interleave(beams, 1)  # as fairseq expands the encoder output
+    source_padding = source_padding.repeat_interleave(beams, 0)
+    orders = [torch.tensor([1, 0, 2, 2, 5, 4]), torch.tensor([0, 0, 3, 2, 4, 5]),
+              torch.tensor([0, 1, 4, 5])]  # within sentences, within sentences, sentence 1 done
+
+    def decode(beam_size):
+        for attention in (layer.self_attn, layer.encoder_attn):
+            attention.set_beam_size(beam_size)
+        cache, rows, steps = {}, torch.arange(sentences * beams), []
+        for t in range(4):
+            if t:
+                order = orders[t - 1]
+                layer.self_attn.reorder_cache(cache["self_attn"], order)
+                layer.encoder_attn.reorder_cache(cache["encoder_attn"], order)
+                rows = rows[order]
+            steps.append(layer(x[t:t + 1, rows], encoder_out[:, rows], source_padding[rows],
+                               cache=cache))
+        return steps, cache
+
+    expected, per_hypothesis = decode(1)
+    got, per_sentence = decode(beams)
+    for step_got, step_expected in zip(got, expected):
+        torch.testing.assert_close(step_got, step_expected, **EXACT)
+    assert per_hypothesis["encoder_attn"]["key"].size(0) == 2 * beams
+    assert per_sentence["encoder_attn"]["key"].size(0) == 2

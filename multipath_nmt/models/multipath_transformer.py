@@ -22,7 +22,11 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from multipath_nmt.modules.multipath import MultiPathDecoderLayer, MultiPathEncoderLayer
+from multipath_nmt.modules.multipath import (
+    MultiPathAttention,
+    MultiPathDecoderLayer,
+    MultiPathEncoderLayer,
+)
 
 # (encoder layers, paths) of the multi-path systems of Table 2 / Table 3.
 PRESETS = ((6, 2), (12, 2), (6, 4), (12, 3), (6, 6), (24, 2), (12, 4), (6, 8))
@@ -76,11 +80,12 @@ class FairseqMultiPathDecoderLayer(MultiPathDecoderLayer):
         return x, None, None
 
     def reorder_incremental_state(self, incremental_state, new_order):
+        # each attention reorders its own cache: the encoder-decoder attention's keys/values
+        # are kept per sentence in beam search and stay in place while sentences keep their beams
         cache = self.get_incremental_state(incremental_state, "cache")
         if cache is not None:
-            for states in cache.values():
-                for name, state in states.items():
-                    states[name] = state.index_select(0, new_order)
+            for name, states in cache.items():
+                getattr(self, name).reorder_cache(states, new_order)
 
 
 class MultiPathTransformerEncoder(TransformerEncoder):
@@ -137,6 +142,14 @@ class MultiPathTransformerModel(TransformerModel):
                 raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(args, flag)}")
         return super().build_model(args, task)
+
+    def set_beam_size(self, beam_size):
+        """Called by fairseq's SequenceGenerator before beam search: the multi-path
+        encoder-decoder attentions keep the encoder's keys/values once per sentence (fairseq's
+        own decoder layers keep theirs per hypothesis, as in stock fairseq)."""
+        for module in self.decoder.modules():
+            if isinstance(module, MultiPathAttention):
+                module.set_beam_size(beam_size)
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):

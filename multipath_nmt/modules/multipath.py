@@ -217,7 +217,15 @@ def attention_mask(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tenso
 class MultiPathAttention(nn.Module):
     """n independent multi-head attentions (the attention paths F_i of Lin et al., 2022) as one:
     q/k/v of every path from one projection d -> 3nd, one attention over n x heads, the per-path
-    output projections as one batched matmul. Returns path outputs [n, T, B, d]."""
+    output projections as one batched matmul. Returns path outputs [n, T, B, d].
+
+    Beam search (:meth:`set_beam_size`): the B = sentences x beam rows of an encoder-decoder
+    attention come in groups of ``beam_size`` beams of one sentence, which share the encoder's
+    keys and values, as in fairseq's own encoder-decoder attention. They are computed and cached
+    once per sentence, each sentence's beams attend to them as one query block, and reordering
+    the beams of a sentence leaves them in place (:meth:`reorder_cache`). Only incremental
+    decoding (a ``cache``) groups rows; a full-sequence call treats every row on its own.
+    """
 
     def __init__(self, num_paths: int, embed_dim: int, num_heads: int,
                  kdim: Optional[int] = None, dropout: float = 0.0,
@@ -231,6 +239,7 @@ class MultiPathAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.dropout = dropout
         self.encoder_decoder_attention = encoder_decoder_attention
+        self.beam_size = 1
         kdim = kdim or embed_dim
         # Output rows are ordered (q/k/v, path, head, head_dim), as nn.MultiheadAttention's are
         # within one path.
@@ -266,21 +275,58 @@ class MultiPathAttention(nn.Module):
         return x.view(S, B, parts, self.num_paths * self.num_heads, self.head_dim).permute(
             2, 1, 3, 0, 4)
 
+    def set_beam_size(self, beam_size: int):
+        """Rows of the query are groups of ``beam_size`` beams of one sentence (fairseq calls
+        this before beam search); encoder-decoder attention then keeps one copy of the encoder's
+        keys and values per sentence. Self-attention ignores it."""
+        self.beam_size = beam_size
+
+    def reorder_cache(self, cache: Dict[str, Tensor], new_order: Tensor):
+        """Reorder this attention's ``cache`` to the rows ``new_order`` (a beam search step).
+        Per-sentence encoder keys/values stay as they are while every sentence keeps its beams
+        (new_order only permutes beams within sentences) and follow the sentences that remain
+        when finished ones leave the batch."""
+        beam = self.beam_size if self.encoder_decoder_attention else 1
+        for name, state in cache.items():
+            if beam > 1:
+                if state.size(0) * beam == new_order.size(0):
+                    continue
+                cache[name] = state.index_select(0, new_order.view(-1, beam)[:, 0] // beam)
+            else:
+                cache[name] = state.index_select(0, new_order)
+
     def forward(self, query: Tensor, key: Optional[Tensor] = None,
                 key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                cache: Optional[Dict[str, Tensor]] = None) -> Tensor:
+                cache: Optional[Dict[str, Tensor]] = None, is_causal: bool = False) -> Tensor:
         """``query`` [T, B, d], ``key`` [S, B, kdim] (encoder-decoder attention only);
         ``cache``: a dict this call reads and extends for incremental decoding (keys/values of
-        earlier steps for self-attention, the encoder's keys/values for cross-attention)."""
+        earlier steps for self-attention, the encoder's keys/values for cross-attention);
+        ``is_causal``: self-attention of a full sequence where query t sees keys <= t, passed
+        to ``scaled_dot_product_attention`` as such instead of a mask (``attn_mask`` must be
+        None; a key padding mask is the caller's to drop, where the padding is trailing)."""
         T, B, d = query.shape
+        beams = 1
         if self.encoder_decoder_attention:
             q = self._heads(self.q_proj(query), 1)[0]
+            if self.beam_size > 1 and cache is not None:
+                if B % self.beam_size:
+                    raise ValueError(f"{B} query rows are not groups of beam size "
+                                     f"{self.beam_size}")
+                # the beams of a sentence share its encoder rows: keep the first beam's
+                beams = self.beam_size
+                if key is not None:
+                    key = key[:, ::beams]
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask[::beams]
             if cache is not None and "key" in cache:
                 k, v = cache["key"], cache["value"]
             else:
                 k, v = self._heads(self.kv_proj(key), 2).unbind(0)
                 if cache is not None:
                     cache["key"], cache["value"] = k, v
+            if beams > 1:
+                # [B, n * heads, T, hd] -> [B / beams, n * heads, beams * T, hd]
+                q = q.unflatten(0, (-1, beams)).transpose(1, 2).flatten(2, 3)
         else:
             q, k, v = self._heads(self.in_proj(query), 3).unbind(0)
             if cache is not None:
@@ -294,11 +340,16 @@ class MultiPathAttention(nn.Module):
                 cache["key"], cache["value"] = k, v
                 if key_padding_mask is not None:
                     cache["key_padding_mask"] = key_padding_mask
+        if is_causal and (attn_mask is not None or k.size(2) != T):
+            raise ValueError("is_causal takes no attn_mask and a full sequence (no cached keys)")
         mask = attention_mask(key_padding_mask, attn_mask, q.dtype)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal)
+        if beams > 1:
+            out = out.unflatten(2, (beams, T)).transpose(1, 2).flatten(0, 1)
         # [B, n * heads, T, head_dim] -> [n, T * B, d] for the batched output projections.
-        out = out.view(B, self.num_paths, self.num_heads, T, self.head_dim).permute(
+        out = out.reshape(B, self.num_paths, self.num_heads, T, self.head_dim).permute(
             1, 3, 0, 2, 4).reshape(self.num_paths, T * B, d)
         out = torch.baddbmm(self.out_proj_bias.unsqueeze(1), out, self.out_proj_weight)
         return out.view(self.num_paths, T, B, d)
