@@ -74,6 +74,10 @@ fi
 echo "train.sh: $recipe recipe for $arch: lr $lr, $warmup warmup updates"
 echo "train.sh: batch: $batch_line"
 echo "train.sh: $sharing_line"
+case " ${extra[*]} " in
+    *" --max-update"*|*" --max-epoch"*|*" --stop-time-hours"*) ;;
+    *) echo "train.sh: note: no --max-update, --max-epoch or --stop-time-hours: fairseq trains until stopped (the paper gives no length)" ;;
+esac
 
 cmd=("$python" -m fairseq_cli.train "$data_bin" --user-dir "$user_dir" --arch "$arch"
      "${sharing[@]}"

@@ -57,6 +57,9 @@ def test_base_recipe_on_cpu(fake_data_bin):
     assert flags["--share-all-embeddings"] is True and flags["--cpu"] is True
     assert "--fp16" not in flags and flags["--keep-last-epochs"] == "10"
     assert not (fake_data_bin / "save").exists()  # --dry-run runs nothing
+    assert "train.sh: note: no --max-update, --max-epoch or --stop-time-hours" in proc.stdout
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", "--max-update=100")
+    assert "train.sh: note:" not in proc.stdout
 
 
 # The printed command gives max-tokens x GPUs x update-freq = 32,768 (base) / 65,536 (deep and
