@@ -1,27 +1,30 @@
-"""multipath-prepare: Moses/BPE/clean semantics, the WMT download and --raw-dir paths against a local
-HTTP server, restartable stages, bad-input errors, and prepare-corpus.sh on Multi30k."""
+"""multipath-prepare: Moses/BPE/clean semantics, sgm extraction as sacreBLEU's, the WMT download
+(resumed, checksummed) and --raw-dir paths against a local HTTP server, the sizes against Table 1,
+restartable stages, bad-input errors, and prepare-corpus.sh on Multi30k."""
+import dataclasses
 import functools
 import gzip
+import hashlib
 import http.server
 import io
 import shutil
 import tarfile
 import threading
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, run_cli
 from fairseq.data import Dictionary, data_utils
+from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from multipath_nmt.cli.prepare import cli_main
 from multipath_nmt.pipeline import prepare
 from multipath_nmt.pipeline.prepare import (
-    PrepareError, clean_pair, extract_members, mirror_url, moses_tokenize, prepare_corpus, prepare_wmt,
-    sgm_to_text,
+    PrepareError, clean_pair, compare_with_table1, extract_members, fetch, mirror_url, moses_tokenize,
+    prepare_corpus, prepare_wmt, sgm_to_text,
 )
 from multipath_nmt.pipeline.synthetic import generate
-from multipath_nmt.pipeline.wmt import ARCHIVES, PAIRS, TASKS
+from multipath_nmt.pipeline.wmt import ARCHIVES, PAIRS, TASKS, Archive
 
 
 # ------------------------------------------------------------------------------- unit level
@@ -78,12 +81,25 @@ def test_clean_pair_follows_clean_corpus_n(a, b, expected):
     assert clean_pair(a, b) == expected
 
 
-def test_sgm_to_text_like_input_from_sgm(tmp_path):
+def test_sgm_to_text_equals_sacrebleus_extraction(tmp_path):
+    """Entities stay as released, whitespace (also non-breaking, tabs, CR) is trimmed and collapsed,
+    curly quotes are not normalized, and odd lines are handled as sacreBLEU handles them."""
     sgm = tmp_path / "t.sgm"
-    sgm.write_text('<srcset setid="x">\n<doc docid="d">\n<seg id="1"> AT&amp;T  earns &lt;1% </seg>\n'
-                   '<seg id="2">split\nover lines</seg>\n<seg id="3">&#8364;5 &quot;q&quot;</seg>\n</doc>\n',
-                   encoding="utf-8")
-    assert list(sgm_to_text(sgm)) == ["AT&T earns <1%", "split over lines", '\u20ac5 "q"']
+    sgm.write_text('<refset setid="x">\n<doc docid="d" genre="news">\n'
+                   '<seg id="1"> AT&amp;T  earns &lt;1% </seg>\n'
+                   '<seg id="2">&#8364;5 &quot;q&quot; \u201cquoted\u201d\ttab\u00a0nbsp\r</seg>\r\n'
+                   '<seg id="3">split\nover lines</seg>\n'
+                   '  <seg id="4">indented: not a segment line</seg>\n'
+                   '<seg id="5"></seg>\n'
+                   '<seg id="6">two</seg><seg id="7">on one line</seg>\n</doc>\n</refset>\n', encoding="utf-8")
+    out = tmp_path / "sacrebleu.txt"
+    FakeSGMLDataset._convert_format(FakeSGMLDataset, str(sgm), str(out))
+    expected = out.read_text(encoding="utf-8").split("\n")[:-1]
+    assert list(sgm_to_text(sgm)) == expected
+    assert expected[:2] == ["AT&amp;T earns &lt;1%", "&#8364;5 &quot;q&quot; \u201cquoted\u201d tab nbsp"]
+    # like sacreBLEU: a segment split over lines keeps its markup and loses its second line, an
+    # indented one is dropped, two on one line come out as one
+    assert expected[2:] == ['<seg id="3">split', "", 'two</seg><seg id="7">on one line']
 
 
 def test_run_stage_skips_same_parameters_and_rebuilds_changed_ones(tmp_path):
@@ -115,6 +131,35 @@ def test_task_table_has_the_twelve_directions():
         assert all(name in ARCHIVES for name in pair.archives())
     assert TASKS["wmt14_de_en"][0] is TASKS["wmt14_en_de"][0]  # both directions share one pair
     assert [e.en for e in PAIRS["wmt14_en_fr"].valid] == ["dev/newstest2012-src.en.sgm", "dev/newstest2013-src.en.sgm"]
+    # newstestB2016 brings En-Fi's valid to Table 1's 8,870 (1,500 + 1,370 + 3,000 + 3,000)
+    assert [e.xx for e in PAIRS["wmt17_en_fi"].valid][-1] == "dev/newstestB2016-enfi-ref.fi.sgm"
+    assert ("un_v1_en_ru", "en-ru/UNv1.0.en-ru.{lang}") in [(c.archive, c.member) for c in PAIRS["wmt17_en_ru"].train]
+    assert [(p.table1.train, p.table1.valid, p.table1.test) for p in PAIRS.values()] == [
+        (4_500_000, 3000, 3003), (35_000_000, 26_000, 3003), (5_900_000, 8171, 3004),
+        (2_600_000, 8870, 3002), (4_500_000, 2003, 2001), (25_000_000, 8819, 3001)]
+    # every archive that can be downloaded has its published checksum, except those named here
+    unpinned = sorted(name for name, a in ARCHIVES.items() if a.checksum is None and not a.manual)
+    assert unpinned == ["un_v1_en_ru", "wmt14_dev", "wmt17_dev"]
+
+
+def test_sizes_compared_with_table1():
+    pair = PAIRS["wmt14_en_fr"]
+    report, warnings = compare_with_table1(pair, {"train": (40_836_876, 35_762_532), "valid": (6003, 6003),
+                                                  "test": (3003, 3003)})
+    assert report == ("train 40,836,876 -> 35,762,532 after cleaning (Table 1: 35,000,000); "
+                      "valid 6,003 (Table 1: 26,000); test 3,003 (Table 1: 3,003)")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "wmt14_en_fr valid has 6,003 sentence pairs, 77% below the paper's Table 1 (26,000): Table 1 gives 26K, "
+        "but the paper's text names newstest2012 + newstest2013")
+    # within 10% of Table 1 before or after cleaning is no warning; beyond it, the reason is given
+    ru = PAIRS["wmt17_en_ru"]
+    assert compare_with_table1(ru, {"train": (27_400_000, 24_100_000), "valid": (8819, 8819),
+                                    "test": (3001, 3001)})[1] == []
+    warnings = compare_with_table1(ru, {"train": (2_600_000, 2_400_000), "valid": (8819, 8819),
+                                        "test": (3001, 3001)})[1]
+    assert warnings == ["wmt17_en_ru train has 2,400,000 sentence pairs, 90% below the paper's Table 1 "
+                        "(25,000,000): clean-corpus-n drops training pairs with a length ratio above 1.5 or "
+                        "more than 250 subwords"]
 
 
 def test_extract_reads_gzipped_and_bitext_members(tmp_path):
@@ -179,27 +224,72 @@ def fake_release(tmp_path_factory):
     return root
 
 
+class ReleaseHandler(http.server.BaseHTTPRequestHandler):
+    """Serves the files under ``root`` with HTTP Range support (``bytes=N-``). ``requests`` records
+    (path, Range header); ``drops`` maps a path to a byte count: its next response announces the
+    whole length but the connection is closed after that many bytes (a dropped connection)."""
+
+    def __init__(self, *args, root, requests, drops, **kwargs):
+        self.root, self.requests, self.drops = root, requests, drops
+        super().__init__(*args, **kwargs)
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.requests.append((self.path, self.headers.get("Range")))
+        path = self.root / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_error(404, "File not found")
+            return
+        data = path.read_bytes()
+        start = int(self.headers["Range"].removeprefix("bytes=").rstrip("-")) if self.headers["Range"] else 0
+        if start >= len(data) > 0:
+            self.send_error(416, "Range Not Satisfiable")
+            return
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        body = data[start:]
+        drop = self.drops.pop(self.path, None)
+        self.wfile.write(body if drop is None else body[:drop])
+        self.close_connection = True
+
+
 @pytest.fixture(scope="module")
-def mirror(fake_release):
-    """http.server on 127.0.0.1 serving the fake release; ``requests`` lists the paths fetched."""
-    requests = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            requests.append(self.path)
-            super().do_GET()
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Handler, directory=str(fake_release / "mirror")))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+def server(tmp_path_factory):
+    """A release server on 127.0.0.1: (base URL, root folder, requests, drops)."""
+    root = tmp_path_factory.mktemp("served")
+    requests, drops = [], {}
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(ReleaseHandler, root=root, requests=requests, drops=drops))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", requests
-    server.shutdown()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", root, requests, drops
+    httpd.shutdown()
     thread.join(timeout=10)
-    server.server_close()
+    httpd.server_close()
+
+
+@pytest.fixture
+def mirror(fake_release, server, monkeypatch):
+    """The fake release served under /release, its archives' checksums pinned (the WMT14 dev archive
+    keeps none, like the real one); yields (mirror URL, requests since the test started)."""
+    url, root, requests, _ = server
+    if not (root / "release").exists():
+        shutil.copytree(fake_release / "mirror", root / "release")
+    for name in PAIRS["wmt14_en_de"].archives():
+        archive = ARCHIVES[name]
+        if name != "wmt14_dev":
+            digest = hashlib.sha256((root / "release" / archive.url.split("/", 3)[3]).read_bytes()).hexdigest()
+            monkeypatch.setitem(ARCHIVES, name, dataclasses.replace(archive, sha256=digest, md5=None))
+        else:
+            assert archive.checksum is None
+    monkeypatch.setattr(prepare, "RETRY_WAIT", 0.0)
+    requests.clear()
+    return url + "/release", requests
 
 
 def dataset_sizes(data_bin, src, tgt):
@@ -218,13 +308,25 @@ def test_wmt_download_through_mirror_then_reverse_direction_reuses_text(tmp_path
 
     out = prepare_wmt("wmt14_en_de", out=tmp_path / "data-bin" / "wmt14_en_de", mirror=url, workers=1,
                       bpe_merges=200)
-    assert sorted(requests) == sorted("/" + ARCHIVES[a].url.split("/", 3)[3] for a in PAIRS["wmt14_en_de"].archives())
+    log = capfd.readouterr().err
+    paths = ["/release/" + ARCHIVES[a].url.split("/", 3)[3] for a in PAIRS["wmt14_en_de"].archives()]
+    test_full = "/release/wmt14/test-full.tgz"
+    # the stale .part is resumed, fails its checksum, is deleted and fetched again from byte 0
+    assert sorted(requests, key=str) == sorted([(p, None) for p in paths] + [(test_full, "bytes=15-")], key=str)
+    assert requests.index((test_full, "bytes=15-")) < requests.index((test_full, None))
+    assert "test-full.tgz is damaged (its sha256 is" in log
     assert not stale.exists() and (work / "downloads" / "test-full.tgz").is_file()
-    assert (work / "raw" / "test.en").read_text(encoding="utf-8").startswith("AT&T grows by 3.5 percent.\n")
-    assert (work / "tok" / "test.de").read_text(encoding="utf-8").startswith("AT &amp; T wächst um 3,5 Prozent .\n")
+    # references as released: the entity stays, and the tokenizer sees it as tokenizer.perl would
+    assert (work / "raw" / "test.en").read_text(encoding="utf-8").startswith("AT&amp;T grows by 3.5 percent.\n")
+    assert (work / "tok" / "test.de").read_text(encoding="utf-8").startswith(
+        "AT &amp; amp ; T wächst um 3,5 Prozent .\n")
+    assert (out / "test.raw.de").read_text(encoding="utf-8") == (work / "raw" / "test.de").read_text(encoding="utf-8")
     sizes = dataset_sizes(out, "en", "de")
-    assert sizes["test"] == N_TEST                      # the test split keeps every sentence
-    assert 0.9 * N_TRAIN * 3 <= sizes["train"] <= N_TRAIN * 3 and 0 < sizes["valid"] <= N_VALID
+    assert sizes["test"] == N_TEST and sizes["valid"] == N_VALID   # valid and test keep every sentence
+    assert 0.9 * N_TRAIN * 3 <= sizes["train"] <= N_TRAIN * 3
+    assert (f"wmt14_en_de sizes (sentence pairs): train {N_TRAIN * 3} -> {sizes['train']} after cleaning "
+            f"(Table 1: 4,500,000); valid {N_VALID} (Table 1: 3,000); test {N_TEST} (Table 1: 3,003)") in log
+    assert f"warning: wmt14_en_de valid has {N_VALID} sentence pairs, 99% below the paper's Table 1 (3,000)" in log
     assert (out / "bpecodes").read_text().startswith("#version: 0.2\n")
     assert "@-@" in (out / "dict.en.txt").read_text(encoding="utf-8")
 
@@ -234,7 +336,7 @@ def test_wmt_download_through_mirror_then_reverse_direction_reuses_text(tmp_path
     reverse = prepare_wmt("wmt14_de_en", out=tmp_path / "data-bin" / "wmt14_de_en", mirror=url, workers=1,
                           bpe_merges=200)
     log = capfd.readouterr().err
-    assert len(requests) == n_requests
+    assert len(requests) == n_requests and "wmt14_de_en sizes (sentence pairs): train" in log
     for stage in ("raw", "tok", "bpe", "clean"):
         assert f"finished earlier, skipping: {work / stage}" in log
     assert (reverse / "train.de-en.de.bin").is_file()
@@ -243,10 +345,13 @@ def test_wmt_download_through_mirror_then_reverse_direction_reuses_text(tmp_path
 
 
 @pytest.mark.slow
-def test_wmt_from_raw_dir_needs_no_network(tmp_path, fake_release):
+def test_wmt_from_raw_dir_needs_no_network(tmp_path, fake_release, mirror):
+    _, requests = mirror   # pins the fake archives' checksums; nothing may be requested
     out = prepare_wmt("wmt14_de_en", out=tmp_path / "wmt14_de_en", raw_dir=fake_release / "flat", workers=1,
                       bpe_merges=200)
-    assert not (tmp_path / "wmt14_en_de.work" / "downloads").exists()
+    assert requests == []
+    downloads = sorted(p.name for p in (tmp_path / "wmt14_en_de.work" / "downloads").iterdir())
+    assert downloads == sorted(ARCHIVES[a].filename + ".verified" for a in PAIRS["wmt14_en_de"].archives())
     assert dataset_sizes(out, "de", "en")["test"] == N_TEST
 
 
@@ -382,15 +487,102 @@ def test_prepare_wmt_script_exits_non_zero_on_an_unknown_task(tmp_path):
 def test_failed_download_names_the_url_and_the_fix(tmp_path, mirror, capsys):
     url, _ = mirror
     err = run_main(["wmt", "wmt17_en_lv", "--out", tmp_path / "x", "--mirror", url + "/missing"], capsys)
-    assert (f"download failed: {url}/missing/wmt17/translation-task/training-parallel-ep-v8.tgz: HTTP Error 404"
+    assert (f"download failed: {url}/missing/wmt18/translation-task/training-parallel-ep-v8.tgz: HTTP Error 404"
             in err)
     assert "pass its folder as --raw-dir" in err
     assert not list((tmp_path / "wmt17_en_lv.work" / "downloads").iterdir())  # no .part left behind
 
 
-def test_manual_archive_explains_where_to_get_it(tmp_path, capsys):
+def test_manual_archive_explains_where_to_get_it(tmp_path, capsys, server):
     err = run_main(["wmt", "wmt17_ru_en", "--out", tmp_path / "x", "--raw-dir", tmp_path], capsys)
     assert "1mcorpus.zip not found" in err and "https://translate.yandex.ru/corpus" in err
+    # with --mirror it is tried there, and a mirror without it gives the same explanation
+    with pytest.raises(PrepareError, match=r"download failed: .*/corpus/1mcorpus.zip: HTTP Error 404.*"
+                                           r"needs a licence agreement: download 1mcorpus.zip from"):
+        fetch(ARCHIVES["yandex_1m"], tmp_path / "downloads", mirror=server[0])
+    with pytest.raises(PrepareError, match=r"UNv1.0.en-ru.tar.gz.00: HTTP Error 404.*download "
+                                           r"UNv1.0.en-ru.tar.gz.00, .01 and .02"):
+        fetch(ARCHIVES["un_v1_en_ru"], tmp_path / "downloads", mirror=server[0])
+
+
+# ------------------------------------------------------------------ resumed, checked downloads
+
+def served_archive(server, name, data, **checksum):
+    """``data`` served as /files/NAME, and an Archive pointing at it."""
+    url, root, _, _ = server
+    (root / "files").mkdir(exist_ok=True)
+    (root / "files" / name).write_bytes(data)
+    return Archive(f"{url}/files/{name}", **checksum)
+
+
+def test_download_resumes_after_a_dropped_connection(tmp_path, server, monkeypatch, capsys):
+    monkeypatch.setattr(prepare, "RETRY_WAIT", 0.0)
+    _, _, requests, drops = server
+    data = bytes(range(256)) * 12_000                      # 3 MB
+    archive = served_archive(server, "big.tgz", data, sha256=hashlib.sha256(data).hexdigest())
+    drops["/files/big.tgz"] = 1_000_000
+    requests.clear()
+    path = fetch(archive, tmp_path)
+    assert path == tmp_path / "big.tgz" and path.read_bytes() == data
+    assert requests == [("/files/big.tgz", None), ("/files/big.tgz", "bytes=1000000-")]
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "resuming big.tgz.part at 1.0 MB" in err and "(100%)" in err
+    assert not (tmp_path / "big.tgz.part").exists()
+
+
+def test_damaged_download_is_deleted_fetched_again_and_never_returned(tmp_path, server, monkeypatch, capsys):
+    _, _, requests, _ = server
+    data = b"the release\n" * 1000
+    archive = served_archive(server, "a.tgz", data, md5=hashlib.md5(data).hexdigest())
+    (tmp_path / "a.tgz.part").write_bytes(b"garbage")  # a .part from another file
+    requests.clear()
+    assert fetch(archive, tmp_path).read_bytes() == data
+    assert requests == [("/files/a.tgz", "bytes=7-"), ("/files/a.tgz", None)]
+    assert "a.tgz is damaged (its md5 is" in capsys.readouterr().err
+
+    # a server whose file is not the pinned one: two attempts, then an error and nothing kept
+    wrong = dataclasses.replace(archive, md5="0" * 32)
+    with pytest.raises(PrepareError, match=r"b.tgz downloaded twice and still damaged: its md5 is [0-9a-f]{32}, "
+                                           r"the release's is 0{32}"):
+        fetch(dataclasses.replace(wrong, url=served_archive(server, "b.tgz", data).url), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tgz"]
+
+
+def test_archive_without_checksum_must_read_to_its_end(tmp_path, server):
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        add_member(tar, "dev/a.sgm", bytes(range(256)) * 4000)
+    whole = buffer.getvalue()
+    assert fetch(served_archive(server, "ok.tgz", whole), tmp_path).read_bytes() == whole
+    with pytest.raises(PrepareError, match="cut.tgz downloaded twice and still damaged: it does not read as an archive"):
+        fetch(served_archive(server, "cut.tgz", whole[:len(whole) // 2]), tmp_path)
+    assert not (tmp_path / "cut.tgz").exists() and not (tmp_path / "cut.tgz.part").exists()
+
+
+def test_split_archive_downloaded_in_parts_or_taken_from_raw_dir(tmp_path, server, capsys):
+    url, root, _, _ = server
+    data = bytes(range(256)) * 300
+    pieces = [data[:30_000], data[30_000:60_000], data[60_000:]]
+    for i, piece in enumerate(pieces):
+        served_archive(server, f"UN.tar.gz.{i:02d}", piece)
+    archive = Archive(f"{url}/files/UN.tar.gz", parts=tuple(f"{url}/files/UN.tar.gz.{i:02d}" for i in range(3)),
+                              sha256=hashlib.sha256(data).hexdigest())
+    assert fetch(archive, tmp_path / "dl").read_bytes() == data
+    assert sorted(p.name for p in (tmp_path / "dl").iterdir()) == ["UN.tar.gz"]
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for i, piece in enumerate(pieces):
+        (raw / f"UN.tar.gz.{i:02d}").write_bytes(piece)
+    capsys.readouterr()
+    joined = fetch(archive, tmp_path / "dl2", raw_dir=raw)
+    assert joined == tmp_path / "dl2" / "UN.tar.gz" and joined.read_bytes() == data
+    assert "checking the sha256 of UN.tar.gz" in capsys.readouterr().err
+    fetch(archive, tmp_path / "dl2", raw_dir=raw)   # checked once per file version
+    assert "checking the sha256" not in capsys.readouterr().err
+    (raw / "UN.tar.gz").write_bytes(data[:-1])      # a whole file in --raw-dir wins, and is checked
+    with pytest.raises(PrepareError, match=f"{raw / 'UN.tar.gz'} is not the release this task expects: its sha256"):
+        fetch(archive, tmp_path / "dl2", raw_dir=raw)
 
 
 # ------------------------------------------------------------------------------- Multi30k
@@ -411,9 +603,10 @@ def test_prepare_corpus_script_on_multi30k(multi30k, tmp_path):
                     "--out", out, "--bpe-merges", "200", "--workers", "1"])
     assert "== multipath-prepare corpus --src en" in proc.stderr
     bpe = tmp_path / "data-bin" / "multi30k.work" / "bpe"
-    kept = {split: sum(clean_pair(a, b) is not None for a, b in zip(prepare.read_lines(bpe / f"{split}.en"),
-                                                                    prepare.read_lines(bpe / f"{split}.de")))
-            for split in ("train", "valid")}
-    assert dataset_sizes(out, "en", "de") == {**kept, "test": 500}
-    assert min(kept.values()) > 400
+    kept = sum(clean_pair(a, b) is not None for a, b in zip(prepare.read_lines(bpe / "train.en"),
+                                                            prepare.read_lines(bpe / "train.de")))
+    assert dataset_sizes(out, "en", "de") == {"train": kept, "valid": 500, "test": 500}  # only train is cleaned
+    assert 400 < kept < 500
     assert (out / "bpecodes").read_text() == (bpe / "codes").read_text()
+    with gzip.open(sample / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as raw_test:
+        assert (out / "test.raw.de").read_text(encoding="utf-8") == raw_test.read()

@@ -24,14 +24,20 @@ def build_parser():
                          help="where the intermediate text stages go (default: OUT.work next to OUT; "
                               "for WMT, <pair>.work next to OUT so both directions share it)")
 
-    wmt = commands.add_parser("wmt", help="download and prepare one of the paper's 12 WMT directions")
+    wmt = commands.add_parser(
+        "wmt", help="download and prepare one of the paper's 12 WMT directions",
+        description="Download (resumable, checksummed), extract, tokenize, clean, BPE-encode and binarize one "
+                    "of the 12 WMT directions of the paper's Table 1, then print its sizes next to Table 1's.")
     wmt.add_argument("task", help=f"one of: {', '.join(TASKS)}")
     wmt.add_argument("--out", default=None, help="the data-bin directory to write (default: data-bin/TASK)")
     wmt.add_argument("--raw-dir", default=None,
-                     help="folder with archives you already have (same file names as the download URLs)")
+                     help="folder with archives you already have (same file names as the download URLs; "
+                          "a split release such as the UN corpus also as its .00, .01, ... parts); each is "
+                          "checked against its pinned checksum")
     wmt.add_argument("--mirror", default=None,
                      help="replace the scheme and host of every download URL with this one, e.g. "
-                          "http://localhost:8000 serves /wmt13/training-parallel-europarl-v7.tgz")
+                          "http://localhost:8000 serves /wmt13/training-parallel-europarl-v7.tgz; archives "
+                          "behind a licence page are looked for there too")
     common(wmt)
 
     corpus = commands.add_parser("corpus", help="prepare your own raw parallel text PREFIX.L1 / PREFIX.L2")

@@ -4,13 +4,16 @@
 Stages, each a directory of the work dir (``OUT.work`` next to the data-bin ``OUT``; for WMT the
 pair's ``<pair>.work`` so both directions share it):
 
-  downloads/          (WMT) archives fetched with urllib, or taken from ``--raw-dir``
+  downloads/          (WMT) archives fetched with urllib (resumed with HTTP Range requests after a
+                      dropped connection, checked against the pinned checksum), or taken from ``--raw-dir``
   extract/<archive>/  (WMT) the archive members the pair needs
-  raw/                {train,valid,test}.{L1,L2}: line-aligned text (SGML sets converted)
+  raw/                {train,valid,test}.{L1,L2}: line-aligned text (SGML sets: the <seg> contents as
+                      released, extracted like sacreBLEU)
   tok/                normalize-punctuation.perl + remove-non-printing-char.perl + tokenizer.perl -a
   bpe/                joint subword-nmt codes learned on train L1+L2, applied to every split
-  clean/              clean-corpus-n.perl -ratio 1.5 on train/valid (1..250 subwords); test kept whole
-  OUT                 fairseq-preprocess --joined-dictionary, plus the BPE codes as ``bpecodes``
+  clean/              clean-corpus-n.perl -ratio 1.5 on train (1..250 subwords); valid and test kept whole
+  OUT                 fairseq-preprocess --joined-dictionary, the BPE codes as ``bpecodes`` and the raw
+                      test text as ``test.raw.{L1,L2}`` (the references sacreBLEU scores against)
 
 A stage is built in ``NAME.partial`` and renamed to ``NAME`` after its ``.done`` file (holding
 the stage's parameters) is written, so a finished-looking directory is always complete. A rerun
@@ -18,11 +21,11 @@ skips stages whose ``.done`` matches, rebuilds those whose parameters changed, a
 any ``.partial`` left by an interrupted run.
 """
 import gzip
-import html
+import hashlib
+import http.client
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +44,8 @@ from sacremoses.corpus import NonbreakingPrefixes
 from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
 
-from multipath_nmt.pipeline.wmt import ARCHIVES, PAIRS, TASKS
+from multipath_nmt.pipeline.wmt import ARCHIVES, TASKS
+from multipath_nmt.scoring import sgm_to_text
 
 DONE = ".done"
 SPLITS = ("train", "valid", "test")
@@ -51,8 +55,10 @@ CLEAN_RATIO, CLEAN_MIN, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH = 1.5, 1, 250, 1000
 # remove-non-printing-char.perl replaces every \p{C} character with a space (sacremoses'
 # post_remove_control_chars deletes it instead, which would glue the neighbouring words).
 NON_PRINTING = regex.compile(r"\p{C}")
-SGM_SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE | re.DOTALL)
-XML_ENTITY = re.compile(r"&(?:amp|lt|gt|quot|apos|#[0-9]+|#[xX][0-9a-fA-F]+);")
+# Consecutive failed attempts (no byte received) before a download gives up, and the wait per failure.
+DOWNLOAD_RETRIES, RETRY_WAIT = 5, 2.0
+# A prepared split whose size is off Table 1's by more than this fraction is reported.
+TABLE1_TOLERANCE = 0.10
 
 
 class PrepareError(Exception):
@@ -183,16 +189,6 @@ def check_languages(*langs):
 
 # ------------------------------------------------------------------- per-line text processing
 
-def sgm_to_text(path):
-    """The <seg> contents of an SGML dev/test set, one per line, like input-from-sgm.perl, with
-    the XML entities of the markup (&amp; &lt; &gt; &quot; &apos; &#N;) unescaped."""
-    with open_text(path) as f:
-        text = f.read()
-    for segment in SGM_SEGMENT.findall(text):
-        segment = " ".join(segment.split())
-        yield XML_ENTITY.sub(lambda m: html.unescape(m.group(0)), segment)
-
-
 def remove_non_printing(line):
     return NON_PRINTING.sub(" ", line)
 
@@ -295,13 +291,14 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
 
     bpe = run_stage(work_dir / "bpe", "bpe", bpe_params, apply_bpe)
 
-    clean_params = {"stage": "clean", "ratio": CLEAN_RATIO, "min": CLEAN_MIN, "max": CLEAN_MAX, "bpe": bpe_params}
+    clean_params = {"stage": "clean", "ratio": CLEAN_RATIO, "min": CLEAN_MIN, "max": CLEAN_MAX,
+                    "cleaned": ["train"], "bpe": bpe_params}
 
     def clean(tmp):
         a, b = langs
         for split in SPLITS:
             pairs = zip(read_lines(bpe / f"{split}.{a}"), read_lines(bpe / f"{split}.{b}"))
-            if split != "test":  # the test split keeps every sentence, like fairseq's scripts
+            if split == "train":  # valid and test keep every sentence: Table 1 counts the whole sets
                 pairs = filter(None, (clean_pair(x, y) for x, y in pairs))
             kept = 0
             with open(tmp / f"{split}.{a}", "w", encoding="utf-8") as out_a, \
@@ -318,7 +315,7 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
 
     clean_dir = run_stage(work_dir / "clean", "clean", clean_params, clean)
 
-    binarize_params = {"stage": "binarize", "src": src, "tgt": tgt, "clean": clean_params}
+    binarize_params = {"stage": "binarize", "src": src, "tgt": tgt, "clean": clean_params, "raw_test": True}
 
     def binarize(tmp):
         cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang", tgt,
@@ -330,6 +327,8 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
         if proc.returncode != 0:
             raise PrepareError(f"fairseq-preprocess failed with exit code {proc.returncode} (its log is above)")
         shutil.copyfile(bpe / "codes", tmp / "bpecodes")
+        for lang in langs:  # the references as released, for sacreBLEU (multipath-score --raw-ref)
+            shutil.copyfile(raw_text / f"test.{lang}", tmp / f"test.raw.{lang}")
 
     result = run_stage(Path(out), "binarize", binarize_params, binarize)
     log(f"data-bin ready: {result} ({src} -> {tgt}); text stages in {work_dir}")
@@ -378,43 +377,166 @@ def mirror_url(url, mirror):
     return mirror.rstrip("/") + urllib.parse.urlsplit(url).path
 
 
+def file_digest(path, algorithm):
+    """Hex digest of a file, read in 1 MB blocks."""
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def archive_problem(path, archive):
+    """Why ``path`` is not ``archive`` as released: a checksum mismatch, or (when no checksum is
+    published) an archive that does not read to its end; None when it is fine."""
+    if archive.checksum:
+        algorithm, expected = archive.checksum
+        log(f"  checking the {algorithm} of {path.name}")
+        found = file_digest(path, algorithm)
+        return None if found == expected else f"its {algorithm} is {found}, the release's is {expected}"
+    log(f"  no published checksum for {path.name}: reading it through to check it is complete")
+    try:
+        for _, f in _archive_members(path, archive.filename):
+            while f.read(1 << 20):
+                pass
+    except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError, PrepareError) as e:
+        return f"it does not read as an archive ({e})"
+    return None
+
+
+def _content_range_total(response):
+    """The full size from ``Content-Range: bytes A-B/TOTAL`` (0 when unknown)."""
+    total = response.headers.get("Content-Range", "").rpartition("/")[2]
+    return int(total) if total.isdigit() else 0
+
+
+def download(url, part, label):
+    """Fetch ``url`` into ``part``, resuming from what ``part`` already holds with an HTTP Range
+    request, also after a connection dropped midway; gives up after DOWNLOAD_RETRIES attempts in a
+    row that receive nothing. Errors that retrying cannot fix (HTTP 404, ...) raise at once."""
+    failures = 0
+    while True:
+        have = part.stat().st_size if part.is_file() else 0
+        request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                if have and response.status == 206:
+                    total, mode = _content_range_total(response), "ab"
+                    log(f"  resuming {part.name} at {have / (1 << 20):,.1f} MB")
+                else:  # a fresh download, or a server that ignores Range: start over
+                    total, mode, have = int(response.headers.get("Content-Length") or 0), "wb", 0
+                progress = Progress(label, total, unit="MB", scale=1 << 20)
+                progress.count = have
+                with open(part, mode) as out:
+                    while block := response.read(1 << 20):
+                        out.write(block)
+                        progress.update(len(block))
+                progress.close()
+            size = part.stat().st_size
+            if total and size < total:
+                raise ConnectionError(f"the connection closed after {size:,} of {total:,} bytes")
+            return
+        except urllib.error.HTTPError as e:
+            if e.code == 416 and have:  # nothing left after byte `have`: the file is complete
+                return
+            raise
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            received = part.stat().st_size if part.is_file() else 0
+            failures = 0 if received > have else failures + 1
+            if failures >= DOWNLOAD_RETRIES:
+                raise
+            log(f"  download of {url} interrupted ({e}); resuming at {received:,} bytes")
+            time.sleep(RETRY_WAIT * failures)
+
+
+def _download_checked(archive, urls, target):
+    """Download ``urls`` (one file, or the parts of one) into ``target`` and check it; a file that
+    fails the check is deleted and fetched once more from scratch, and never returned."""
+    for attempt in (1, 2):
+        pieces = []
+        for url in urls:
+            piece = target.with_name(url.rsplit("/", 1)[-1] + ".part")
+            log(f"[download] {url} -> {piece}")
+            try:
+                download(url, piece, f"download {piece.name[:-5]}")
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                how = archive.manual or archive.page or (f"or download {archive.filename} yourself and pass "
+                                                         "its folder as --raw-dir")
+                raise PrepareError(f"download failed: {url}: {e}; check the network or --mirror; {how}") from None
+            pieces.append(piece)
+        checked = pieces[0] if len(pieces) == 1 else _join(pieces, target.with_name(target.name + ".part"))
+        problem = archive_problem(checked, archive)
+        if problem is None:
+            os.replace(checked, target)
+            return target
+        checked.unlink()
+        if attempt == 1:
+            log(f"[download] {target.name} is damaged ({problem}); deleted, downloading it again")
+    raise PrepareError(f"{target.name} downloaded twice and still damaged: {problem}; the server does not "
+                       f"serve the pinned release (check --mirror), or download it yourself and pass its "
+                       "folder as --raw-dir")
+
+
+def _join(pieces, joined):
+    """``cat pieces > joined`` (the split UN archives), removing the pieces."""
+    log(f"  joining {', '.join(p.name for p in pieces)} into {joined.name}")
+    with open(joined, "wb") as out:
+        for piece in pieces:
+            with open(piece, "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+    for piece in pieces:
+        piece.unlink()
+    return joined
+
+
+def _from_raw_dir(archive, raw_dir, downloads):
+    """The archive in --raw-dir (whole, or as its parts, joined into downloads/), checked once per
+    file version; None when --raw-dir does not hold it."""
+    raw_dir = Path(raw_dir)
+    path = raw_dir / archive.filename
+    part_names = [url.rsplit("/", 1)[-1] for url in archive.parts]
+    if not path.is_file():
+        if not part_names or not all((raw_dir / n).is_file() for n in part_names):
+            return None
+        path = Path(downloads) / archive.filename
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for n in part_names:
+                shutil.copyfile(raw_dir / n, path.with_name(n + ".copy"))
+            os.replace(_join([path.with_name(n + ".copy") for n in part_names],
+                             path.with_name(path.name + ".part")), path)
+    log(f"[download] using {path}")
+    verified = Path(downloads) / (archive.filename + ".verified")
+    stamp = json.dumps(stamp_of(path), sort_keys=True)
+    if verified.is_file() and verified.read_text(encoding="utf-8") == stamp:
+        return path
+    problem = archive_problem(path, archive)
+    if problem:
+        raise PrepareError(f"{path} is not the release this task expects: {problem}; replace it with the "
+                           f"file from {archive.parts[0] if archive.parts else archive.url}")
+    verified.parent.mkdir(parents=True, exist_ok=True)
+    verified.write_text(stamp, encoding="utf-8")
+    return path
+
+
 def fetch(archive, downloads, raw_dir=None, mirror=None):
-    """The local path of ``archive``: from --raw-dir, an earlier download, or a fresh download."""
-    name = archive.filename
-    if raw_dir and (Path(raw_dir) / name).is_file():
-        log(f"[download] using {Path(raw_dir) / name}")
-        return Path(raw_dir) / name
-    target = Path(downloads) / name
-    if target.is_file():
+    """The local path of ``archive``: from --raw-dir, an earlier download, or a fresh download
+    (resumable, checked against the pinned checksum, fetched again when damaged)."""
+    if raw_dir and (found := _from_raw_dir(archive, raw_dir, downloads)):
+        return found
+    target = Path(downloads) / archive.filename
+    if target.is_file():  # only a checked download is renamed to its final name
         log(f"[download] finished earlier, skipping: {target}")
         return target
-    url = mirror_url(archive.url, mirror)
-    part = target.with_name(name + ".part")
     target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"[download] {url} -> {target}")
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
-            total = int(response.headers.get("Content-Length") or 0)
-            progress = Progress(f"download {name}", total, unit="MB", scale=1 << 20)
-            while block := response.read(1 << 20):
-                out.write(block)
-                progress.update(len(block))
-            progress.close()
-    except (urllib.error.URLError, OSError) as e:
-        part.unlink(missing_ok=True)
-        raise PrepareError(f"download failed: {url}: {e}; check the network or --mirror, or download "
-                           f"{name} yourself and pass its folder as --raw-dir") from None
-    if total and part.stat().st_size != total:
-        size = part.stat().st_size
-        part.unlink()
-        raise PrepareError(f"download of {url} stopped after {size:,} of {total:,} bytes; run the command again")
-    os.replace(part, target)
-    return target
+    urls = [mirror_url(url, mirror) for url in (archive.parts or (archive.url,))]
+    return _download_checked(archive, urls, target)
 
 
-def _archive_members(path):
-    """(name, binary file object) for each regular file of a tar/tgz/zip/gz archive, streamed."""
-    name = path.name
+def _archive_members(path, name=None):
+    """(name, binary file object) for each regular file of a tar/tgz/zip/gz archive, streamed; the
+    type is taken from ``name`` (default: the file's name)."""
+    name = name or path.name
     if name.endswith(".zip"):
         with zipfile.ZipFile(path) as z:
             for info in z.infolist():
@@ -489,8 +611,8 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
     if raw_dir and not Path(raw_dir).is_dir():
         raise PrepareError(f"--raw-dir {raw_dir} is not a directory; give the folder holding the archives")
     pair, src, tgt = TASKS[task]
-    log(f"{task}: {src} -> {tgt}, sentence pairs (approximate): " +
-        ", ".join(f"{split} {pair.sizes[split]}" for split in SPLITS))
+    log(f"{task}: {src} -> {tgt}, sentence pairs in the paper's Table 1: " +
+        ", ".join(f"{split} {getattr(pair.table1, split):,}" for split in SPLITS))
     out = Path(out or Path("data-bin") / task)
     work_dir = Path(work_dir) if work_dir else out.parent / f"{pair.name}.work"
     extract = work_dir / "extract"
@@ -533,4 +655,39 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
                 f.close()
 
     raw = run_stage(work_dir / "raw", "raw", raw_params, collect_raw)
-    return process_text(raw, work_dir, out, pair.langs, src, tgt, bpe_merges, workers, raw_params)
+    result = process_text(raw, work_dir, out, pair.langs, src, tgt, bpe_merges, workers, raw_params)
+    counts = {split: (count_lines(raw / f"{split}.en"), count_lines(work_dir / "clean" / f"{split}.en"))
+              for split in SPLITS}
+    report, warnings = compare_with_table1(pair, counts)
+    log(f"{task} sizes (sentence pairs): {report}")
+    for warning in warnings:
+        log(f"warning: {warning}")
+    return result
+
+
+def count_lines(path):
+    """Number of "\n"-terminated lines of a file, counted on bytes."""
+    lines = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            lines += block.count(b"\n")
+    return lines
+
+
+def compare_with_table1(pair, counts):
+    """The prepared sizes next to Table 1's, and a warning per split off by more than
+    TABLE1_TOLERANCE, with the known reason. ``counts``: split -> (pairs before cleaning, pairs kept).
+    Table 1 does not say whether it counts before or after cleaning, so a split is within Table 1
+    when either count is."""
+    report, warnings = [], []
+    for split in SPLITS:
+        before, kept = counts[split]
+        expected = getattr(pair.table1, split)
+        shown = f"{kept:,}" if kept == before else f"{before:,} -> {kept:,} after cleaning"
+        report.append(f"{split} {shown} (Table 1: {expected:,})")
+        if min(abs(before - expected), abs(kept - expected)) > TABLE1_TOLERANCE * expected:
+            gap = (kept - expected) / expected
+            reason = pair.table1.notes.get(split, "reason unknown: check the archives and the log above")
+            warnings.append(f"{pair.name} {split} has {kept:,} sentence pairs, {abs(gap):.0%} "
+                            f"{'below' if gap < 0 else 'above'} the paper's Table 1 ({expected:,}): {reason}")
+    return "; ".join(report), warnings
