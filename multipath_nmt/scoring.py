@@ -1,4 +1,5 @@
-"""Tokenized BLEU exactly as Moses' ``multi-bleu.perl`` prints it, plus detokenized sacreBLEU.
+"""Tokenized BLEU exactly as Moses' ``multi-bleu.perl`` prints it, plus detokenized sacreBLEU
+against the references as released (SGML test sets extracted exactly as sacreBLEU extracts them).
 
 ``multi-bleu.perl`` reads bytes, not text: lines are ``chop``-ped (the last byte of an
 unterminated final line is dropped), words are split on ASCII whitespace only and ``-lc``
@@ -8,6 +9,7 @@ whitespace, every byte-level word is first replaced by a whitespace-free id, whi
 counts unchanged. The final number is then computed in the script's own floating-point order
 so that ``%.2f`` rounds the same way.
 """
+import gzip
 import math
 import os
 import re
@@ -19,6 +21,8 @@ import sacrebleu
 # fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
 _COMPOUND = re.compile(rb"(\S)-(\S)")
 _GENERATE_LINE = re.compile(r"^([HTD])-(\d+)\t")
+# sacreBLEU's FakeSGMLDataset._convert_format: a line starting "<seg " loses its markup.
+_SGM_SEGMENT = re.compile(r"<seg.*?>(.*)</seg>.*?")
 
 
 class ScoringError(ValueError):
@@ -176,6 +180,31 @@ def detokenize(lines: Sequence[str], lang: Optional[str]) -> List[str]:
 
     detok = MosesDetokenizer(lang=lang)
     return [detok.detokenize(line.split()) for line in lines]
+
+
+def sgm_to_text(path):
+    """The <seg> contents of an SGML dev/test set (``.sgm``, or ``.sgm.gz``), one per line, exactly
+    as sacreBLEU extracts them (``FakeSGMLDataset._convert_format``): every line starting with
+    ``<seg `` loses its markup and has its whitespace trimmed and collapsed; the text is otherwise as
+    released (no entity unescaping, no punctuation normalization), so the lines equal
+    ``sacrebleu -t TEST -l PAIR --echo ref``."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ScoringError(f"{path}: no such file; pass an existing .sgm test set")
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+        for line in f:
+            if line.startswith("<seg "):
+                yield re.sub(r"\s+", " ", _SGM_SEGMENT.sub(r"\1", line).strip())
+
+
+def read_references(path) -> List[str]:
+    """Reference lines as released: an ``.sgm`` set extracted like sacreBLEU, or plain text split
+    on "\n" only (multipath-prepare writes the extracted test sets as DATA_BIN/test.raw.LANG)."""
+    if str(path).endswith((".sgm", ".sgm.gz")):
+        return list(sgm_to_text(path))
+    lines = read_bytes(path).decode("utf-8", "surrogateescape").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def sacrebleu_score(hyps: Sequence[str], ref_streams: Sequence[Sequence[str]]):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Tokenized BLEU identical to multi-bleu.perl (line 1) and detokenized sacreBLEU (line 2).
-#   scripts/score.sh --sys HYP --ref REF [--compound-split] [--lang de] [-lc]
-#   scripts/score.sh --generate-output gen.out [--compound-split] [--lang de]
+# Tokenized BLEU identical to multi-bleu.perl (line 1) and detokenized sacreBLEU (line 2) against the
+# references as released (--raw-ref DATA_BIN/test.raw.LANG from multipath-prepare, or the official .sgm).
+#   scripts/score.sh --sys HYP --ref REF [--raw-ref RAW] [--compound-split] [--lang de] [-lc]
+#   scripts/score.sh --generate-output gen.out [--raw-ref RAW] [--compound-split] [--lang de]
 # PYTHON selects the interpreter that has multipath_nmt installed (default: python).
 set -euo pipefail
 echo "score.sh: multipath-score $*" >&2

@@ -1,4 +1,5 @@
-"""multipath-score prints exactly the line of the real multi-bleu.perl, and refuses bad input."""
+"""multipath-score prints exactly the line of the real multi-bleu.perl, sacreBLEU against the
+references as released (extracted from .sgm like sacreBLEU does), and refuses bad input."""
 import io
 import random
 import shutil
@@ -6,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import sacrebleu
+from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
+from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from conftest import ROOT, clean_env, run_cli
 
@@ -166,6 +170,61 @@ def test_sacrebleu_detokenizes_for_lang(tmp_path):
     score(args, out=out)
     assert out.getvalue().splitlines()[1].startswith("sacreBLEU = 100.00 |")
     assert scoring.detokenize(["a well @-@ known &quot;x&quot; ."], "en") == ['a well-known "x".']
+
+
+# A German newstest-like reference set as released: an entity, curly quotes, a non-breaking space,
+# a tab and padding, all kept by sacreBLEU's extraction (and changed by Moses tokenization).
+RAW_REFS = ["AT&amp;T meldet \u201eRekordgewinne\u201c f\u00fcr 2014.", "Der Preis stieg um 5\u00a0%  auf 3,50 \u20ac.",
+            "Sie sagte: \u201aNein\u2018 \u2013 und ging.", "  Ein  ganz\tnormaler Satz.  "]
+HYPS_TOKENIZED = ["AT &amp; T meldet &quot; Rekordgewinne &quot; für 2014 .", "Der Preis stieg um 5 % auf 3,50 € .",
+                  "Sie sagte : &apos; Nein &apos; - und ging .", "Ein ganz normaler Satz ."]
+
+
+def _released_sgm(path):
+    segs = "".join(f'<seg id="{i}">{line}</seg>\n' for i, line in enumerate(RAW_REFS, 1))
+    path.write_text(f'<refset setid="newstest2014" srclang="any" trglang="de">\n<doc sysid="ref" docid="d1" '
+                    f'genre="news" origlang="en">\n<p>\n{segs}</p>\n</doc>\n</refset>\n', encoding="utf-8")
+    return path
+
+
+def test_sacrebleu_uses_the_released_references(tmp_path):
+    """Line 2 with --raw-ref equals sacreBLEU on sacreBLEU's own extraction of the .sgm (what
+    ``sacrebleu -t wmt14/full -l en-de`` scores against), from the .sgm or from test.raw.de; the
+    tokenized line 1 uses the pipeline-tokenized references (T- lines), as before."""
+    sgm = _released_sgm(tmp_path / "newstest2014-deen-ref.de.sgm")
+    extracted = tmp_path / "sacrebleu.de"
+    FakeSGMLDataset._convert_format(FakeSGMLDataset, str(sgm), str(extracted))
+    sacrebleu_refs = extracted.read_text(encoding="utf-8").split("\n")[:-1]
+    assert sacrebleu_refs[0] == "AT&amp;T meldet \u201eRekordgewinne\u201c f\u00fcr 2014."   # as released
+    (tmp_path / "test.raw.de").write_text("".join(line + "\n" for line in scoring.sgm_to_text(sgm)), encoding="utf-8")
+
+    normalizer, tokenizer = MosesPunctNormalizer("de"), MosesTokenizer("de")
+    tokenized_refs = [tokenizer.tokenize(normalizer.normalize(r), escape=True, aggressive_dash_splits=True,
+                                         return_str=True) for r in RAW_REFS]
+    gen = tmp_path / "gen.out"
+    gen.write_text("".join(f"T-{i}\t{r}\nH-{i}\t-0.3\t{h}\n" for i, (r, h) in enumerate(zip(tokenized_refs, HYPS_TOKENIZED)))
+                   + "Generate test with beam=4: BLEU4 = 1.00\n", encoding="utf-8")
+    expected = sacrebleu.corpus_bleu(scoring.detokenize(HYPS_TOKENIZED, "de"), [sacrebleu_refs])
+    lines = {}
+    for raw in (sgm, tmp_path / "test.raw.de", None):
+        argv = ["--generate-output", str(gen), "--compound-split", "--lang", "de"]
+        argv += ["--raw-ref", str(raw)] if raw else []
+        out = io.StringIO()
+        stats = score(get_parser().parse_args(argv), out=out)
+        lines[raw] = out.getvalue().splitlines()
+        assert stats.ref_len == sum(len(scoring.compound_split(r.encode()).split()) for r in tokenized_refs)
+    for raw in (sgm, tmp_path / "test.raw.de"):
+        assert lines[raw][1] == (f"sacreBLEU = {expected.score:.2f} | nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|"
+                                 f"version:{sacrebleu.__version__} | references as released (--raw-ref), "
+                                 "hypotheses Moses-detokenized for 'de'")
+        assert lines[raw][0] == lines[None][0]
+    assert "not comparable to published sacreBLEU, pass --raw-ref" in lines[None][1]
+    assert lines[None][1].split(" | ")[0] != lines[sgm][1].split(" | ")[0]  # the altered references score otherwise
+
+    with pytest.raises(scoring.ScoringError, match="--raw-ref .*short.de has 1 references but there are 4 hypotheses"):
+        (tmp_path / "short.de").write_text("eins\n", encoding="utf-8")
+        score(get_parser().parse_args(["--generate-output", str(gen), "--raw-ref", str(tmp_path / "short.de")]),
+              out=io.StringIO())
 
 
 def _generate_output(ids, finished=True, empty_hyp_id=None):

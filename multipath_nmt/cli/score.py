@@ -1,11 +1,15 @@
 """multipath-score: tokenized BLEU identical to multi-bleu.perl, then detokenized sacreBLEU.
 
-    multipath-score --sys HYP --ref REF [--compound-split] [--lang de] [-lc]
-    multipath-score --generate-output gen.out [--compound-split] [--lang de]
+    multipath-score --sys HYP --ref REF [--raw-ref RAW] [--compound-split] [--lang de] [-lc]
+    multipath-score --generate-output gen.out [--raw-ref RAW] [--compound-split] [--lang de]
 
-Line 1 is exactly what ``multi-bleu.perl [-lc] REF < HYP`` prints (after the ``##AT##-##AT##``
-rule on both sides with --compound-split, the paper's En-De protocol). Line 2 is corpus
-sacreBLEU (13a) with its signature, on text Moses-detokenized for --lang when given.
+Line 1 is exactly what ``multi-bleu.perl [-lc] REF < HYP`` prints on the tokenized text (after
+the ``##AT##-##AT##`` rule on both sides with --compound-split: fairseq's compound_split_bleu.sh,
+the usual WMT En-De convention). Line 2 is corpus sacreBLEU (13a) with its signature, of the
+hypotheses Moses-detokenized for --lang against --raw-ref: the references as released
+(DATA_BIN/test.raw.LANG written by multipath-prepare, or the official .sgm itself), which is what
+``sacrebleu -t wmt14/full -l en-de`` scores against. Without --raw-ref the references are the
+detokenized tokenized ones, and line 2 says it is not comparable to published sacreBLEU.
 """
 import argparse
 import sys
@@ -16,7 +20,7 @@ from multipath_nmt import scoring
 def get_parser():
     parser = argparse.ArgumentParser(prog="multipath-score", description=__doc__.split("\n")[0])
     parser.add_argument("--sys", help="hypothesis file, one tokenized sentence per line")
-    parser.add_argument("--ref", help="reference file; like multi-bleu.perl, REF0, REF1, ... "
+    parser.add_argument("--ref", help="tokenized reference file; like multi-bleu.perl, REF0, REF1, ... "
                                       "are read as multiple references when they exist")
     parser.add_argument("--generate-output", metavar="FILE",
                         help="score fairseq-generate output (T- references, hypotheses by id) "
@@ -24,13 +28,17 @@ def get_parser():
     parser.add_argument("--hyp-field", choices=["H", "D"], default="H",
                         help="hypothesis lines of --generate-output: H (tokenized, default) or "
                              "D (detokenized with fairseq-generate --tokenizer)")
+    parser.add_argument("--raw-ref", nargs="+", metavar="RAW",
+                        help="the references as released, for sacreBLEU: DATA_BIN/test.raw.LANG from "
+                             "multipath-prepare, or the official .sgm (extracted like sacreBLEU does); "
+                             "one file per reference")
     parser.add_argument("--compound-split", action="store_true",
-                        help="apply s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g to both sides first "
-                             "(fairseq's compound_split_bleu.sh, the WMT En-De protocol)")
+                        help="apply s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g to both sides of the tokenized "
+                             "BLEU first (fairseq's compound_split_bleu.sh, the usual WMT En-De convention)")
     parser.add_argument("-lc", "--lowercase", action="store_true",
                         help="lowercase (ASCII, as multi-bleu.perl -lc does)")
-    parser.add_argument("--lang", help="target language: Moses-detokenize hypotheses and "
-                                       "references with sacremoses before sacreBLEU")
+    parser.add_argument("--lang", help="target language: Moses-detokenize the hypotheses (and, without "
+                                       "--raw-ref, the references) with sacremoses before sacreBLEU")
     return parser
 
 
@@ -50,21 +58,26 @@ def score(args, out=sys.stdout):
             raise scoring.ScoringError("give --sys HYP and --ref REF, or --generate-output FILE")
         stats = scoring.multi_bleu_files(args.sys, args.ref, lowercase=args.lowercase,
                                          compound=args.compound_split)
-        hyps = _text_lines(args.sys)
-        ref_streams = [_text_lines(p) for p in scoring.reference_paths(args.ref)]
+        hyps = scoring.read_references(args.sys)
+        ref_streams = [scoring.read_references(p) for p in scoring.reference_paths(args.ref)]
     print(stats, file=out)
-    sacre, signature = scoring.sacrebleu_score(
-        scoring.detokenize(hyps, args.lang), [scoring.detokenize(r, args.lang) for r in ref_streams])
-    how = (f"Moses-detokenized for '{args.lang}'" if args.lang
-           else "text as given; pass --lang to detokenize tokenized text")
+    detok_hyps = scoring.detokenize(hyps, args.lang)
+    if args.raw_ref:
+        raw_streams = [scoring.read_references(p) for p in args.raw_ref]
+        for path, stream in zip(args.raw_ref, raw_streams):
+            if len(stream) != len(hyps):
+                raise scoring.ScoringError(f"--raw-ref {path} has {len(stream)} references but there are "
+                                           f"{len(hyps)} hypotheses; give the released test set they translate")
+        how = "references as released (--raw-ref)"
+    else:
+        raw_streams = [scoring.detokenize(r, args.lang) for r in ref_streams]
+        how = ("references detokenized from the tokenized ones: not comparable to published sacreBLEU, "
+               "pass --raw-ref")
+    how += (f", hypotheses Moses-detokenized for '{args.lang}'" if args.lang
+            else ", hypotheses as given (pass --lang to detokenize tokenized text)")
+    sacre, signature = scoring.sacrebleu_score(detok_hyps, raw_streams)
     print(f"sacreBLEU = {sacre.score:.2f} | {signature} | {how}", file=out)
     return stats
-
-
-def _text_lines(path):
-    """Lines split on "\\n" only, as multi-bleu.perl splits them (str.splitlines also splits on U+2028...)."""
-    lines = scoring.read_bytes(path).decode("utf-8", "surrogateescape").split("\n")
-    return lines[:-1] if lines[-1] == "" else lines
 
 
 def cli_main():
