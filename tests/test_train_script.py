@@ -48,7 +48,8 @@ def test_base_recipe_on_cpu(fake_data_bin):
     assert words[1:3] == ["-m", "fairseq_cli.train"] and words[3] == str(fake_data_bin)
     assert flags["--user-dir"] == str(USER_DIR)
     assert flags["--adam-betas"] == "(0.9, 0.997)" and flags["--optimizer"] == "adam"
-    assert flags["--lr-scheduler"] == "inverse_sqrt"
+    assert flags["--lr-scheduler"] == "inverse_sqrt" and flags["--warmup-init-lr"] == "1e-07"
+    assert flags["--clip-norm"] == "0.0"  # no gradient clipping
     assert (flags["--lr"], flags["--warmup-updates"]) == ("0.001", "8000")
     assert (flags["--max-tokens"], flags["--update-freq"]) == ("4096", "1")
     assert ("train.sh: batch: 4,096 max-tokens x 1 CPU process x 1 update-freq = 4,096 tokens per "
