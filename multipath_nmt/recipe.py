@@ -125,22 +125,22 @@ def batch_plan(recipe: Recipe, gpus: int, max_tokens: Optional[int] = None,
         total = recipe.global_batch
         origin = f"the paper's {recipe.tokens_per_gpu:,} per GPU x {PAPER_GPUS} GPUs"
     else:
-        total, origin = recipe.tokens_per_gpu, f"one GPU's share of the paper's batch on the CPU"
+        total, origin = recipe.tokens_per_gpu, "one GPU's share of the paper's batch on the CPU"
     if total % workers:
         raise RecipeError(
             f"{total:,} tokens per update ({origin}) cannot be split evenly over {workers} GPUs; "
             f"use a GPU count that divides it (CUDA_VISIBLE_DEVICES selects them) or pass "
             f"{_nearest_exact(total, workers, cap)}")
     share = total // workers
-    steps = math.ceil(share / cap)
-    while share % steps:
-        steps += 1
-    if share > cap and share // steps < cap / 2:
+    micro_batches = math.ceil(share / cap)
+    while share % micro_batches:
+        micro_batches += 1
+    if share > cap and share // micro_batches < cap / 2:
         raise RecipeError(
             f"{share:,} tokens per worker ({total:,} / {workers}) cannot be cut into equal "
             f"micro-batches of {cap // 2:,} to {cap:,} tokens (max-tokens {cap:,}); pass "
             f"{_nearest_exact(total, workers, cap)} or another max-tokens")
-    return BatchPlan(share // steps, steps, workers, gpus, origin)
+    return BatchPlan(share // micro_batches, micro_batches, workers, gpus, origin)
 
 
 def dictionary_files(data_bin: Path, source_lang: Optional[str] = None,
