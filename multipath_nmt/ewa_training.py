@@ -9,10 +9,15 @@ real step, every module with an ``ewa_after_step(num_updates, master_views)`` me
 ``FP16Optimizer`` (``--fp16``, ``--bf16``) keeps and copies into the half-precision model after
 every step: averaging only the model's copy would be silently undone by the next step, so the
 modules average the master and copy it to the model. Optimizers without master copies (fp32,
-``--memory-efficient-fp16``, ``--amp``) give an empty map and the model's own weights are averaged.
+``--amp``, ``--memory-efficient-fp16``, ``--memory-efficient-bf16``) give an empty map: fp32
+weights are averaged in place, half-precision ones on fp32 copies the EWA modules keep
+(:class:`multipath_nmt.modules.ewa.ExpertsWeightsAveraging`).
 
 The update is deterministic (no randomness, no communication): every data-parallel rank holds the
 same weights after the synchronised optimizer step, so every rank computes the same average.
+That holds for DDP, not for fully-sharded training (a rank holds a shard of the flattened
+parameters, not whole experts) or BMUF (its wrapper keeps copies of the weights the averaging
+does not see, and hides the fp32 masters): :func:`check_supported` refuses those.
 """
 import functools
 from collections import defaultdict
@@ -39,6 +44,18 @@ def master_views(optimizer):
                 offset += param.numel()
         return views
     return {param: master.data for param, master in zip(fp16_params, fp32_params)}
+
+
+def check_supported(args):
+    """Refuse the training setups the after-step averaging does not handle (one-line errors)."""
+    if getattr(args, "ddp_backend", None) == "fully_sharded":
+        raise ValueError("EWA does not support --ddp-backend fully_sharded: each rank holds only "
+                         "a shard of the experts, and the averaging needs them whole; use "
+                         "--ddp-backend c10d")
+    if getattr(args, "use_bmuf", False):
+        raise ValueError("EWA does not support --use-bmuf: BMUF keeps its own copies of the "
+                         "weights (and hides the fp16 optimizer's fp32 masters), which the "
+                         "averaging does not update; train without --use-bmuf")
 
 
 def ewa_modules(model):

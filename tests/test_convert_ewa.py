@@ -157,3 +157,19 @@ def test_unknown_layer_pattern_fails_at_build_time():
                      ewa_init_from=None)
     with pytest.raises(ValueError, match="unknown --ewa-layers pattern 'odd'"):
         check_args(args)
+
+
+def test_fold_drops_the_fp32_copies_of_half_precision_experts():
+    from multipath_nmt.cli.convert_ewa import fold_state_dict
+
+    experts = torch.arange(8.0).view(2, 4).half()  # E = 2 experts of 4 values
+    dense = torch.ones(4)
+    folded = fold_state_dict({
+        "encoder.layers.0.fc1.bias": dense,
+        "encoder.layers.1.ffn.fc1_bias": experts,
+        # training state of --memory-efficient-fp16: not an expert, nothing to fold
+        "encoder.layers.1.ffn.fp32_experts.fc1_bias": experts.float() + 1e-4,
+    })
+    assert set(folded) == {"encoder.layers.0.fc1.bias", "encoder.layers.1.fc1.bias"}
+    # the folded FFN is the mean of the experts the EWA model evaluates with
+    assert torch.equal(folded["encoder.layers.1.fc1.bias"], experts.float().mean(0).half())

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from multipath_nmt import ewa_training
-from multipath_nmt.modules.ewa import (EarlyEWAMoE, EWAFeedForward, EWASchedule,
-                                       average_experts_, uniform_partition)
+from multipath_nmt.modules.ewa import (EXPERT_TENSORS, EarlyEWAMoE, EWAFeedForward,
+                                       EWASchedule, average_experts_, uniform_partition)
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
 
 
@@ -86,6 +86,31 @@ def _ffn(num_experts=4, embed=6, hidden=10):
     return EWAFeedForward(embed, hidden, num_experts, EWASchedule(0.3, "constant"))
 
 
+def test_partition_deals_the_real_tokens_first_and_evenly():
+    padding = torch.tensor([0, 1, 0, 0, 1, 0, 0, 1, 0, 0], dtype=torch.bool)
+    torch.manual_seed(5)
+    order, expert, slot = uniform_partition(10, 4, padding)
+    assert sorted(order.tolist()) == list(range(10))
+    assert not padding[order[:7]].any() and padding[order[7:]].all()
+    # the 7 real tokens: 2, 2, 2 and 1 per expert
+    assert torch.bincount(expert[:7], minlength=4).tolist() == [2, 2, 2, 1]
+    assert torch.equal(slot, torch.arange(10) // 4)
+
+
+def test_partition_of_real_tokens_is_uniform():
+    torch.manual_seed(0)
+    padding = torch.tensor([1, 0, 0, 1, 0, 0, 0, 1], dtype=torch.bool)  # 5 real tokens
+    counts = torch.zeros(8, 3)
+    draws = 3000
+    for _ in range(draws):
+        order, expert, _ = uniform_partition(8, 3, padding)
+        real = ~padding[order]
+        counts[order[real], expert[real]] += 1
+    assert (counts[padding] == 0).all()
+    # each real token lands in each expert with probability 1/3 (experts 0, 1 hold 2, expert 2 1)
+    assert (counts[~padding] / draws - torch.tensor([0.4, 0.4, 0.2])).abs().max() < 0.04
+
+
 def test_training_forward_equals_per_group_reference():
     ffn = _ffn()
     x = torch.randn(5, 3, 6)  # [T, B, d]
@@ -96,16 +121,37 @@ def test_training_forward_equals_per_group_reference():
     out = ffn(x, padding)
 
     tokens = x.reshape(-1, 6)
-    real = (~padding.t().reshape(-1)).nonzero().squeeze(1)
+    flat_padding = padding.t().reshape(-1)
     torch.manual_seed(7)
-    order, expert, _ = uniform_partition(real.numel(), 4)
+    order, expert, _ = uniform_partition(15, 4, flat_padding)
     expected = torch.zeros_like(tokens)
-    for position, token in enumerate(real[order].tolist()):
+    for position, token in enumerate(order.tolist()):
+        if flat_padding[token]:
+            continue
         e = int(expert[position])
         hidden = F.relu(F.linear(tokens[token], ffn.fc1_weight[e], ffn.fc1_bias[e]))
         expected[token] = F.linear(hidden, ffn.fc2_weight[e], ffn.fc2_bias[e])
     assert torch.allclose(out.reshape(-1, 6), expected, atol=1e-6)
-    assert (out.reshape(-1, 6)[padding.t().reshape(-1)] == 0).all()
+    assert (out.reshape(-1, 6)[flat_padding] == 0).all()
+
+
+def test_padding_gets_no_gradient_and_changes_no_weight_gradient():
+    ffn = _ffn()
+    x = torch.randn(4, 2, 6, requires_grad=True)
+    padding = torch.zeros(2, 4, dtype=torch.bool)
+    padding[1, 2:] = True
+    garbage = x.detach().clone()
+    garbage[2:, 1] = 1e3
+    garbage.requires_grad_()
+    grads = []
+    for inputs in (x, garbage):
+        torch.manual_seed(3)
+        ffn(inputs, padding).pow(2).sum().backward()
+        grads.append([inputs.grad.clone(), *(p.grad.clone() for p in ffn.expert_parameters())])
+        ffn.zero_grad()
+    assert (grads[0][0][2:, 1] == 0).all()
+    for clean, dirty in zip(*grads):
+        assert torch.equal(clean, dirty)
 
 
 def test_eval_is_the_dense_mean_ffn():
@@ -144,6 +190,100 @@ def test_early_ewa_moe_is_top1_and_averaged_only_until_the_stop_point():
     moe.ewa_after_step(5, {})
     average_experts_(before, 0.3)
     assert torch.equal(moe.fc2_weight, before)
+
+
+def _half_ffn_near_one():
+    """Half-precision experts in [1.2, 2.0), 0.1 apart; one fp16 step there is 2^-10 or 2^-9."""
+    torch.manual_seed(0)
+    ffn = EWAFeedForward(4, 6, 4, EWASchedule(1e-3, "constant"))
+    with torch.no_grad():
+        for param in ffn.expert_parameters():
+            offsets = 0.1 * torch.arange(4.0).view(-1, *[1] * (param.dim() - 1))
+            param.copy_(torch.rand(param.shape[1:]) * 0.4 + 1.2 + offsets)
+    return ffn.half()
+
+
+def test_half_precision_averaging_follows_the_fp32_trajectory():
+    """Share rate 1e-3 moves an expert by at most 2e-4 per update, under half an fp16 step: 50
+    updates in place on the fp16 weights change nothing, while the module's fp32 copies make
+    the weights follow the fp32 computation exactly, optimizer updates in between included."""
+    ffn = _half_ffn_near_one()
+    start = [p.detach().clone() for p in ffn.expert_parameters()]
+    in_place = [t.clone() for t in start]
+    reference = [t.float() for t in start]
+    for update in range(1, 51):
+        step = 2.0 ** -8 if update % 2 else -(2.0 ** -8)  # an update fp16 holds exactly here
+        for param, ref in zip(ffn.expert_parameters(), reference):
+            param.data.add_(step)
+            ref.add_(step)
+            average_experts_(ref, 1e-3)
+        for stale in in_place:
+            average_experts_(stale, 1e-3)
+        ffn.ewa_after_step(update, {})
+    assert all(torch.equal(stale, first) for stale, first in zip(in_place, start))
+    for name, param, ref in zip(EXPERT_TENSORS, ffn.expert_parameters(), reference):
+        assert torch.equal(ffn.fp32_experts[name], ref)
+        assert torch.equal(param.data, ref.half())
+        assert not torch.equal(param.data, start[EXPERT_TENSORS.index(name)])
+
+
+def test_fp32_copies_travel_in_the_state_dict():
+    ffn = _half_ffn_near_one()
+    ffn.ewa_after_step(1, {})
+    state = ffn.state_dict()
+    assert {k for k in state if k.startswith("fp32_experts.")} == {
+        f"fp32_experts.{name}" for name in EXPERT_TENSORS}
+    assert all(state[f"fp32_experts.{name}"].dtype == torch.float32 for name in EXPERT_TENSORS)
+    resumed = EWAFeedForward(4, 6, 4, EWASchedule(1e-3, "constant")).half()
+    resumed.load_state_dict(state)  # strict: the copies are taken, not unexpected keys
+    for name in EXPERT_TENSORS:
+        assert torch.equal(resumed.fp32_experts[name], ffn.fp32_experts[name])
+    # fp32 models never keep copies, so their state dicts are what they always were
+    assert all("fp32_experts" not in k for k in _ffn().state_dict())
+    # with the optimizer's fp32 masters (FP16Optimizer) the module's copies are dropped
+    views = {p: p.detach().float() for p in ffn.expert_parameters()}
+    ffn.ewa_after_step(2, views)
+    assert ffn.fp32_experts == {}
+
+
+def _training_args(*flags):
+    from fairseq import options
+
+    parser = options.get_training_parser()
+    return options.parse_args_and_arch(parser, ["data", *flags])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ddp-backend", "fully_sharded"], "EWA does not support --ddp-backend fully_sharded"),
+    (["--use-bmuf"], "EWA does not support --use-bmuf"),
+])
+@pytest.mark.parametrize("arch", ["ewa_transformer_wmt_en_de", "early_ewa_transformer_wmt_en_de"])
+def test_refuses_fully_sharded_and_bmuf(arch, flags, message):
+    from multipath_nmt.models.moe_transformer import check_args
+
+    args = _training_args("--arch", arch, "--max-update", "10", *flags)
+    with pytest.raises(ValueError, match=message):
+        check_args(args)
+    check_args(_training_args("--arch", arch, "--max-update", "10"))  # c10d: fine
+
+
+def test_early_ewa_defaults_are_the_papers():
+    args = _training_args("--arch", "early_ewa_transformer_wmt_en_de", "--max-update", "10")
+    assert (args.encoder_ffn, args.ewa_stop_at, args.ewa_schedule, args.moe_capacity_factor,
+            args.ewa_layers, args.ewa_experts) == ("ewa", 0.5, "constant", 1.05, "every-2", 4)
+    # the same from --ewa-stop-at on the EWA arch; plain EWA keeps the linear schedule
+    args = _training_args("--arch", "ewa_transformer_wmt_en_de", "--ewa-stop-at", "0.5")
+    assert (args.ewa_schedule, args.moe_capacity_factor) == ("constant", 1.05)
+    args = _training_args("--arch", "ewa_transformer_wmt_en_de")
+    assert (args.ewa_schedule, args.ewa_stop_at) == ("linear", None)
+    # explicit flags win
+    args = _training_args("--arch", "early_ewa_transformer_wmt_en_de", "--ewa-schedule",
+                          "linear", "--moe-capacity-factor", "1.2", "--ewa-stop-at", "0.3")
+    assert (args.ewa_schedule, args.moe_capacity_factor, args.ewa_stop_at) == ("linear", 1.2, 0.3)
+    # the moe criterion's balance weight is early EWA's 0.01
+    from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
+        LabelSmoothedCrossEntropyWithMoeCriterionConfig as Config)
+    assert Config().moe_balance_weight == 0.01
 
 
 class _Model(nn.Module):

@@ -2,15 +2,21 @@
 Training Scheme for Vision Transformers", arXiv:2308.06093.
 
 Training: an FFN becomes E expert FFNs; the non-padding tokens are split into E random groups of
-equal size (random uniform partition, no router) and each group goes through one expert. After
-every optimizer step each expert is pulled towards the others (the paper's EWA update):
+equal size (random uniform partition, no router; Eqs. 4-5) and each group goes through one
+expert. After every optimizer step each expert is pulled towards the others (Eq. 6):
 
     W_i <- (1 - b) W_i + b / (E - 1) * sum_{j != i} W_j
 
 with the share rate b rising linearly from 0 to its final value over training (or constant).
-Inference: the experts are folded into one FFN whose weights and biases are the experts' means.
-The FFN is nonlinear, so that folded FFN is *not* the mean of the experts' outputs; it is what the
-paper deploys, and it is exactly what ``multipath-convert-ewa`` writes, so eval mode uses it too.
+Inference: the experts are folded into one FFN whose weights and biases are the experts' means
+(Eq. 7). The FFN is nonlinear, so that folded FFN is *not* the mean of the experts' outputs; it is
+what the paper deploys, and it is exactly what ``multipath-convert-ewa`` writes, so eval mode uses
+it too.
+
+Half-precision experts that no optimizer keeps an fp32 master of (``--memory-efficient-fp16``,
+``--memory-efficient-bf16``) are averaged on fp32 copies the module keeps (and saves in its state
+dict): an early update b (W_j - W_i) / (E - 1) is often below half an fp16 step of W_i, and
+averaging the fp16 weights in place would round it away at every step.
 """
 import math
 
@@ -61,46 +67,98 @@ def average_experts_(stacked, share_rate):
     others = share_rate / (num_experts - 1)
     # (1 - b) W_i + b/(E-1) (S - W_i) = (1 - b - b/(E-1)) W_i + b/(E-1) S, S the sum over all
     # experts; fp32 experts (the optimizer's master copies) are updated without a copy
-    shared = stacked.sum(0, keepdim=True, dtype=torch.float32).mul_(others)
+    dtype = torch.promote_types(stacked.dtype, torch.float32)
+    shared = stacked.sum(0, keepdim=True, dtype=dtype).mul_(others)
     own = 1.0 - share_rate - others
-    if stacked.dtype == torch.float32:
+    if stacked.dtype == dtype:
         stacked.mul_(own).add_(shared)
     else:
         stacked.copy_(stacked.float().mul_(own).add_(shared))
 
 
-def ewa_average_parameters_(params, share_rate, master_views):
-    """Apply the EWA update to each stacked-expert parameter where the optimizer keeps it.
+EXPERT_TENSORS = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-    ``master_views`` maps a parameter to the optimizer's fp32 master copy of it (fairseq's
-    FP16Optimizer); the update then acts on the master and the result is copied to the parameter,
-    otherwise the next optimizer step would overwrite the parameter with the un-averaged master.
+
+class ExpertsWeightsAveraging:
+    """The EWA update after each optimizer step, for a module whose experts are stacked along dim
+    0 in ``EXPERT_TENSORS`` and whose share rate comes from ``self.schedule``.
+
+    Each expert tensor is averaged where its fp32 values live: the optimizer's master copy
+    (fairseq's FP16Optimizer; the result is copied into the model, or the next step would
+    overwrite it), the parameter itself when it is fp32, else an fp32 copy kept here. That copy
+    follows the optimizer: before each update it takes the parameter's change since the copy was
+    last written to it (exact in fp32), so what the fp16 weights cannot hold accumulates there.
+    The copies are saved in the state dict (``fp32_experts.<name>``) for an exact resume.
     """
-    with torch.no_grad():
-        for param in params:
-            master = master_views.get(param)
-            if master is None:
-                average_experts_(param.data, share_rate)
-            else:
-                average_experts_(master, share_rate)
-                param.data.copy_(master)
+
+    def _init_averaging(self, schedule):
+        self.schedule = schedule
+        self.fp32_experts = {}
+        self.register_state_dict_post_hook(_save_fp32_experts)
+        self.register_load_state_dict_pre_hook(_load_fp32_experts)
+
+    def ewa_after_step(self, num_updates, master_views):
+        share_rate = self.schedule.share_rate_at(num_updates)
+        if share_rate == 0.0:
+            self.fp32_experts.clear()  # averaging is over (early EWA): no copy to keep
+            return
+        with torch.no_grad():
+            for name in EXPERT_TENSORS:
+                param = getattr(self, name)
+                master = master_views.get(param)
+                if master is not None or param.dtype not in HALF_DTYPES:
+                    self.fp32_experts.pop(name, None)
+                    average_experts_(param.data if master is None else master, share_rate)
+                    if master is not None:
+                        param.data.copy_(master)
+                    continue
+                copy = self.fp32_experts.get(name)
+                if copy is None:
+                    copy = param.detach().float()
+                else:
+                    copy.add_(param.float().sub_(copy.to(param.dtype).float()))
+                average_experts_(copy, share_rate)
+                param.data.copy_(copy)
+                self.fp32_experts[name] = copy
 
 
-def uniform_partition(num_tokens, num_experts, device=None):
-    """A random uniform partition of ``num_tokens`` tokens into ``num_experts`` groups whose sizes
-    differ by at most one: returns (token order, expert of each slot, slot within the expert).
+def _save_fp32_experts(module, state_dict, prefix, local_metadata):
+    for name, copy in module.fp32_experts.items():
+        state_dict[f"{prefix}fp32_experts.{name}"] = copy.detach().clone()
 
+
+def _load_fp32_experts(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                       unexpected_keys, error_msgs):
+    module.fp32_experts.clear()
+    for name in EXPERT_TENSORS:
+        copy = state_dict.pop(f"{prefix}fp32_experts.{name}", None)
+        if copy is not None:
+            module.fp32_experts[name] = copy.to(getattr(module, name).device, torch.float32)
+
+
+def uniform_partition(num_tokens, num_experts, padding=None):
+    """A random uniform partition of the non-padding tokens among ``num_experts`` experts, with
+    shapes that depend on ``num_tokens`` only (no host sync): returns (token at each position,
+    expert of each position, slot of each position within its expert).
+
+    Positions are dealt round-robin (expert = position % E), the non-padding tokens first in a
+    uniformly random order, so the experts' shares of them differ by at most one; the padding
+    tokens (``padding`` [num_tokens] bool, True = padding) fill the last positions.
     Drawn from the global torch RNG, which fairseq reseeds with seed + num_updates before every
     training step, so a resumed run draws the same partitions as an uninterrupted one.
     """
+    device = None if padding is None else padding.device
     order = torch.randperm(num_tokens, device=device)
+    if padding is not None:
+        order = order[padding[order].argsort(stable=True)]  # a stable sort keeps the order random
     position = torch.arange(num_tokens, device=device)
     return order, position % num_experts, position // num_experts
 
 
-class EWAFeedForward(nn.Module):
+class EWAFeedForward(ExpertsWeightsAveraging, nn.Module):
     """E expert FFNs (fc1 -> activation -> dropout -> fc2) trained on a random uniform token
-    partition with EWA, evaluated as the experts' mean FFN (Huang et al., 2023, Sec. 3)."""
+    partition with EWA, evaluated as the experts' mean FFN (Huang et al., 2023, Sec. 3.2)."""
 
     def __init__(self, embed_dim, ffn_dim, num_experts, schedule, activation_fn=F.relu,
                  activation_dropout=0.0):
@@ -108,7 +166,7 @@ class EWAFeedForward(nn.Module):
         if num_experts < 2:
             raise ValueError(f"EWA needs at least 2 experts, got {num_experts}")
         self.num_experts = num_experts
-        self.schedule = schedule
+        self._init_averaging(schedule)
         self.activation_fn = activation_fn
         self.activation_dropout = nn.Dropout(activation_dropout)
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, ffn_dim, embed_dim))
@@ -122,7 +180,7 @@ class EWAFeedForward(nn.Module):
             init_experts_like_linear_(weight, bias, weight.shape[-1])  # [E, out, in]
 
     def expert_parameters(self):
-        return [self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias]
+        return [getattr(self, name) for name in EXPERT_TENSORS]
 
     def load_dense_ffn(self, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
         """Start every expert as a copy of one dense FFN (EWA fine-tuning)."""
@@ -140,20 +198,24 @@ class EWAFeedForward(nn.Module):
 
     def forward(self, x, padding_mask=None):
         """x: [T, B, d] with padding_mask [B, T] (True = padding), or [S, d] with [S], or None.
-        In training, padding positions are not routed and get zeros."""
+        In training, padding positions are in no expert's share of the real tokens and get zeros.
+        Every shape follows from x's (the experts also run on the padding rows, which costs the
+        batch's padding fraction but needs no host sync)."""
         if not self.training:
             fc1_weight, fc1_bias, fc2_weight, fc2_bias = self.folded()
             hidden = self.activation_dropout(self.activation_fn(F.linear(x, fc1_weight, fc1_bias)))
             return F.linear(hidden, fc2_weight, fc2_bias)
         tokens = x.reshape(-1, x.shape[-1])
+        num_tokens = tokens.shape[0]
         if padding_mask is None:
-            token_index = torch.arange(tokens.shape[0], device=x.device)
+            padding = None
+            weights = tokens.new_ones(num_tokens, 1)
         else:
-            padding = padding_mask.t() if x.dim() == 3 else padding_mask
-            token_index = (~padding.reshape(-1)).nonzero().squeeze(1)
-        order, expert, slot = uniform_partition(token_index.numel(), self.num_experts, x.device)
-        capacity = max(1, math.ceil(token_index.numel() / self.num_experts))
-        plan = SlotPlan.build(tokens.shape[0], 1, self.num_experts * capacity, token_index[order],
+            padding = (padding_mask.t() if x.dim() == 3 else padding_mask).reshape(-1)
+            weights = (~padding).unsqueeze(1).to(tokens.dtype)
+        order, expert, slot = uniform_partition(num_tokens, self.num_experts, padding)
+        capacity = max(1, math.ceil(num_tokens / self.num_experts))
+        plan = SlotPlan.build(num_tokens, 1, self.num_experts * capacity, order,
                               expert * capacity + slot)
         grouped = plan.dispatch(tokens).view(self.num_experts, capacity, -1)
         # Transposed products, hidden^T = W x^T: the weight gradients then come out in the
@@ -162,13 +224,8 @@ class EWAFeedForward(nn.Module):
         hidden = torch.baddbmm(self.fc1_bias.unsqueeze(2), self.fc1_weight, grouped.transpose(1, 2))
         hidden = self.activation_dropout(self.activation_fn(hidden))
         out = torch.baddbmm(self.fc2_bias.unsqueeze(2), self.fc2_weight, hidden).transpose(1, 2)
-        # padding tokens are in no group: their weight is 0 and their output zero
-        return plan.combine(out.reshape(-1, out.shape[-1]), plan.kept).view_as(x)
-
-    def ewa_after_step(self, num_updates, master_views):
-        share_rate = self.schedule.share_rate_at(num_updates)
-        if share_rate > 0.0:
-            ewa_average_parameters_(self.expert_parameters(), share_rate, master_views)
+        # padding tokens weigh 0: their output is zero and they pass no gradient
+        return plan.combine(out.reshape(-1, out.shape[-1]), weights).view_as(x)
 
     def inactive_parameter_count(self):
         # a token meets one FFN's worth of parameters: one expert in training, the mean at inference
@@ -176,16 +233,11 @@ class EWAFeedForward(nn.Module):
         return (self.num_experts - 1) * per_expert
 
 
-class EarlyEWAMoE(MoEFeedForward):
+class EarlyEWAMoE(ExpertsWeightsAveraging, MoEFeedForward):
     """A top-1 routed MoE FFN that gets the EWA update after each step until ``stop_at``
-    (Huang et al., 2023, "early EWA" for naive MoEs); it stays a routed MoE at inference."""
+    (Huang et al., 2023, Sec. 6, "early EWA" for naive MoEs); it stays a routed MoE at
+    inference."""
 
     def __init__(self, embed_dim, ffn_dim, num_experts, schedule, **kwargs):
         super().__init__(embed_dim, ffn_dim, num_experts=num_experts, k=1, **kwargs)
-        self.schedule = schedule
-
-    def ewa_after_step(self, num_updates, master_views):
-        share_rate = self.schedule.share_rate_at(num_updates)
-        if share_rate > 0.0:
-            ewa_average_parameters_([self.fc1_weight, self.fc1_bias, self.fc2_weight,
-                                     self.fc2_bias], share_rate, master_views)
+        self._init_averaging(schedule)
