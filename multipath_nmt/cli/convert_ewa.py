@@ -18,6 +18,8 @@ from fairseq import checkpoint_utils
 import multipath_nmt  # noqa: F401  (registers moe_transformer so its checkpoints load)
 
 EWA_KEY = re.compile(r"^(encoder\.layers\.\d+\.)ffn\.(fc[12])_(weight|bias)$")
+# fp32 copies of half-precision experts (--memory-efficient-fp16 training state)
+FP32_COPY_KEY = re.compile(r"^encoder\.layers\.\d+\.ffn\.fp32_experts\.")
 # cfg.model entries that only moe_transformer knows
 PLUGIN_MODEL_KEYS = ("encoder_ffn", "encoder_moe_freq", "moe_experts", "moe_top_k",
                      "moe_capacity_factor", "ewa_layers", "ewa_experts", "ewa_share_rate",
@@ -54,11 +56,14 @@ def check_ewa(model_cfg, path):
 
 def fold_state_dict(model_state):
     """Replace every ``...ffn.fcN_{weight,bias}`` [E, ...] by fairseq's ``...fcN.{weight,bias}``
-    holding the mean over the experts."""
+    holding the mean over the experts; the fp32 copies training kept of half-precision experts
+    are dropped (the model in eval mode, which the folded one must equal, uses the experts)."""
     folded = {}
     count = 0
     for key, value in model_state.items():
         match = EWA_KEY.match(key)
+        if FP32_COPY_KEY.match(key):
+            continue
         if match:
             prefix, fc, kind = match.groups()
             folded[f"{prefix}{fc}.{kind}"] = value.float().mean(0).to(value.dtype)
