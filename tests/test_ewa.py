@@ -430,3 +430,19 @@ def test_resume_is_bit_exact(toy_data_bin, tmp_path):
         str(tmp_path / run / "checkpoint_last.pt"))["model"] for run in ("straight", "resumed"))
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_training_step_and_averaging_make_no_host_sync():
+    from multipath_nmt.host_syncs import HostSyncCounter
+
+    ffn = _ffn()
+    x = torch.randn(7, 3, 6, requires_grad=True)
+    padding = torch.zeros(3, 7, dtype=torch.bool)
+    padding[1, 4:] = True
+    with HostSyncCounter() as syncs:
+        ffn(x, padding).sum().backward()
+        ffn.ewa_after_step(3, {})
+        half = _half_ffn_near_one()
+        half.ewa_after_step(1, {})
+        half.ewa_after_step(2, {})  # the fp32 copies taking the parameters' changes
+    assert syncs.total == 0, syncs.by_op

@@ -275,3 +275,14 @@ def test_fairseq_train(toy_data_bin, tmp_path, arch, flags):
         assert keys["encoder.layers.1.ffn.fc2.weight"].shape == (4, 64, 32)  # [M, in, out]
     if "dynamic" not in flags:
         assert "moe_balance" in log or "balance" in log
+
+
+def test_dynamic_ffn_makes_no_host_sync():
+    from multipath_nmt.host_syncs import HostSyncCounter
+
+    ffn = ParameterNetFeedForward(8, 16, 3, proj="both", mode="dynamic")
+    x, padding = _batch()
+    x.requires_grad_()
+    with HostSyncCounter() as syncs:
+        ffn(x, padding).sum().backward()
+    assert syncs.total == 0, syncs.by_op
