@@ -530,6 +530,17 @@ def test_download_resumes_after_a_dropped_connection(tmp_path, server, monkeypat
     assert not (tmp_path / "big.tgz.part").exists()
 
 
+def test_complete_part_file_is_checked_not_downloaded_again(tmp_path, server):
+    """A run killed after the last byte but before the rename: the server answers 416 to the Range."""
+    _, _, requests, _ = server
+    data = b"complete\n" * 500
+    archive = served_archive(server, "done.tgz", data, sha256=hashlib.sha256(data).hexdigest())
+    (tmp_path / "done.tgz.part").write_bytes(data)
+    requests.clear()
+    assert fetch(archive, tmp_path).read_bytes() == data
+    assert requests == [("/files/done.tgz", f"bytes={len(data)}-")]
+
+
 def test_damaged_download_is_deleted_fetched_again_and_never_returned(tmp_path, server, monkeypatch, capsys):
     _, _, requests, _ = server
     data = b"the release\n" * 1000
@@ -577,12 +588,20 @@ def test_split_archive_downloaded_in_parts_or_taken_from_raw_dir(tmp_path, serve
     capsys.readouterr()
     joined = fetch(archive, tmp_path / "dl2", raw_dir=raw)
     assert joined == tmp_path / "dl2" / "UN.tar.gz" and joined.read_bytes() == data
-    assert "checking the sha256 of UN.tar.gz" in capsys.readouterr().err
-    fetch(archive, tmp_path / "dl2", raw_dir=raw)   # checked once per file version
+    assert "checking the sha256 of UN.tar.gz.part" in capsys.readouterr().err
+    fetch(archive, tmp_path / "dl2", raw_dir=raw)   # joined and checked once
     assert "checking the sha256" not in capsys.readouterr().err
+    assert sorted(p.name for p in raw.iterdir()) == ["UN.tar.gz.00", "UN.tar.gz.01", "UN.tar.gz.02"]  # kept
+
     (raw / "UN.tar.gz").write_bytes(data[:-1])      # a whole file in --raw-dir wins, and is checked
     with pytest.raises(PrepareError, match=f"{raw / 'UN.tar.gz'} is not the release this task expects: its sha256"):
         fetch(archive, tmp_path / "dl2", raw_dir=raw)
+    (raw / "UN.tar.gz").unlink()
+    (raw / "UN.tar.gz.01").write_bytes(b"x")        # damaged pieces: refused, and nothing joined is kept
+    with pytest.raises(PrepareError, match="UN.tar.gz.00, UN.tar.gz.01, UN.tar.gz.02 in .* do not join into the "
+                                           "release this task expects: its sha256"):
+        fetch(archive, tmp_path / "dl3", raw_dir=raw)
+    assert list((tmp_path / "dl3").iterdir()) == []
 
 
 # ------------------------------------------------------------------------------- Multi30k

@@ -464,7 +464,11 @@ def _download_checked(archive, urls, target):
                                                          "its folder as --raw-dir")
                 raise PrepareError(f"download failed: {url}: {e}; check the network or --mirror; {how}") from None
             pieces.append(piece)
-        checked = pieces[0] if len(pieces) == 1 else _join(pieces, target.with_name(target.name + ".part"))
+        checked = pieces[0]
+        if len(pieces) > 1:
+            checked = _join(pieces, target.with_name(target.name + ".part"))
+            for piece in pieces:
+                piece.unlink()
         problem = archive_problem(checked, archive)
         if problem is None:
             os.replace(checked, target)
@@ -478,14 +482,12 @@ def _download_checked(archive, urls, target):
 
 
 def _join(pieces, joined):
-    """``cat pieces > joined`` (the split UN archives), removing the pieces."""
+    """``cat pieces > joined`` (a release split into pieces, like the UN corpus)."""
     log(f"  joining {', '.join(p.name for p in pieces)} into {joined.name}")
     with open(joined, "wb") as out:
         for piece in pieces:
             with open(piece, "rb") as f:
                 shutil.copyfileobj(f, out, 1 << 20)
-    for piece in pieces:
-        piece.unlink()
     return joined
 
 
@@ -499,12 +501,19 @@ def _from_raw_dir(archive, raw_dir, downloads):
         if not part_names or not all((raw_dir / n).is_file() for n in part_names):
             return None
         path = Path(downloads) / archive.filename
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            for n in part_names:
-                shutil.copyfile(raw_dir / n, path.with_name(n + ".copy"))
-            os.replace(_join([path.with_name(n + ".copy") for n in part_names],
-                             path.with_name(path.name + ".part")), path)
+        if path.is_file():  # only a checked join gets its final name
+            log(f"[download] joined earlier, skipping: {path}")
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        joined = _join([raw_dir / n for n in part_names], path.with_name(path.name + ".part"))
+        problem = archive_problem(joined, archive)
+        if problem:
+            joined.unlink()
+            raise PrepareError(f"{', '.join(part_names)} in {raw_dir} do not join into the release this task "
+                               f"expects: {problem}; replace them with the files from {archive.parts[0]} ...")
+        os.replace(joined, path)
+        log(f"[download] joined {', '.join(part_names)} from {raw_dir} into {path}")
+        return path
     log(f"[download] using {path}")
     verified = Path(downloads) / (archive.filename + ".verified")
     stamp = json.dumps(stamp_of(path), sort_keys=True)
@@ -513,7 +522,7 @@ def _from_raw_dir(archive, raw_dir, downloads):
     problem = archive_problem(path, archive)
     if problem:
         raise PrepareError(f"{path} is not the release this task expects: {problem}; replace it with the "
-                           f"file from {archive.parts[0] if archive.parts else archive.url}")
+                           f"file from {archive.url}")
     verified.parent.mkdir(parents=True, exist_ok=True)
     verified.write_text(stamp, encoding="utf-8")
     return path
