@@ -9,6 +9,7 @@ from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fairseq import options
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from multipath_nmt.cli.params import build_model, parameter_counts
@@ -236,6 +237,78 @@ def test_every_arch_trains_with_tiny_overrides(arch):
     optimizer.step()
     assert loss().item() < before.item()
     assert not torch.equal(model.encoder.layers[0].ffn_mixer.path_weights, weights)
+
+
+GRADIENT_GROUPS = (("alpha", "path_weights"), ("beta", "residual_weight"),
+                   ("PathNorm", "path_norm."), ("embeddings", "embed_tokens"),
+                   ("LayerNorm", "layer_norm"), ("attention", "attn"), ("FFN", ""))
+
+
+def _gradients_at_init(arch, precision="fp32", loss_scale=1.0):
+    """Parameter gradients of ``arch`` at d 512 (2 encoder layers, 1 decoder layer) on one
+    fixed batch of 32 x 32 tokens, with fairseq's summed label-smoothed loss times
+    ``loss_scale``; precision "fp16" is fairseq's --fp16 (the model in half precision), "amp"
+    its --amp (fp32 parameters, fp16 autocast)."""
+    torch.manual_seed(1)
+    model = build_model(arch, 1000, ["--encoder-layers", "2", "--decoder-layers", "1",
+                                     "--dropout", "0"], device="cpu").train()
+    if precision == "fp16":
+        model = model.half()
+    batch = torch.Generator().manual_seed(0)
+    src, prev, target = (torch.randint(4, 1000, (32, 32), generator=batch) for _ in range(3))
+    prev[:, 0] = model.decoder.dictionary.eos()
+    with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "amp"):
+        logits = model(src, torch.full((32,), 32), prev)[0]
+    lprobs = torch.log_softmax(logits.float(), -1).view(-1, logits.size(-1))
+    loss, _ = label_smoothed_nll_loss(lprobs, target.view(-1), 0.1, ignore_index=1)
+    (loss * loss_scale).backward()
+    groups = {}
+    for name, parameter in model.named_parameters():
+        group = next(group for group, part in GRADIENT_GROUPS if part in name)
+        groups.setdefault(group, []).append(parameter.grad)
+    return groups
+
+
+def _max_abs(gradients):
+    return max(g.abs().max().item() for g in gradients)
+
+
+def test_alpha_beta_gradients_cap_the_fp16_loss_scale_but_not_amps():
+    # alpha and beta sum their gradients over every token and channel: at init they are the
+    # largest in the model, several times the stock Transformer's largest, so in a half
+    # precision model (--fp16) they overflow fp16 at a loss scale the stock model takes.
+    # Under --amp (fp32 parameters) they are reduced in fp32 and do not overflow: the
+    # precision docs/fidelity.md recommends for multi-path models on GPUs.
+    stock = {group: _max_abs(g) for group, g in
+             _gradients_at_init("transformer_prenorm_wmt_en_de").items()}
+    multipath = {group: _max_abs(g) for group, g in
+                 _gradients_at_init("multipath_transformer").items()}
+    largest_stock = max(stock.values())
+    largest_alpha_beta = max(multipath["alpha"], multipath["beta"])
+    assert largest_alpha_beta > 2 * largest_stock, (multipath, stock)
+    assert all(value <= 2 * largest_stock for group, value in multipath.items()
+               if group not in ("alpha", "beta")), (multipath, stock)
+    fp16_max = torch.finfo(torch.float16).max
+    # the smallest power-of-two loss scale at which alpha/beta overflow fp16; the stock model
+    # has twice the headroom there
+    loss_scale = 2.0 ** math.ceil(math.log2(fp16_max / largest_alpha_beta))
+    assert loss_scale * largest_stock < fp16_max / 2
+    half = _gradients_at_init("multipath_transformer", "fp16", loss_scale)
+    assert not all(torch.isfinite(g).all() for g in half["alpha"] + half["beta"])
+    assert all(torch.isfinite(g).all() for group, gradients in half.items()
+               if group not in ("alpha", "beta") for g in gradients)
+    amp = _gradients_at_init("multipath_transformer", "amp", loss_scale)
+    assert all(g.dtype == torch.float32 and torch.isfinite(g).all()
+               for gradients in amp.values() for g in gradients)
+
+
+def test_fp16_with_learnable_weights_recommends_amp(caplog):
+    _tiny("multipath_transformer", "--fp16")
+    assert "--amp keeps them in fp32" in caplog.text
+    caplog.clear()
+    _tiny("multipath_transformer", "--amp")
+    _tiny("multipath_transformer", "--fp16", "--path-weights", "fixed")
+    assert "--amp" not in caplog.text
 
 
 def _train(data, save_dir, *flags, updates):

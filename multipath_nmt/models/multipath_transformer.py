@@ -11,6 +11,8 @@ Table 4 of the paper with flags (presets default to "+ Ours"):
   - PathNorm              --no-path-norm
   + More Features         --cheap-features
 """
+import logging
+
 from fairseq.distributed import fsdp_wrap
 from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.models import register_model, register_model_architecture
@@ -27,6 +29,8 @@ from multipath_nmt.modules.multipath import (
     MultiPathDecoderLayer,
     MultiPathEncoderLayer,
 )
+
+logger = logging.getLogger(__name__)
 
 # (encoder layers, paths) of the multi-path systems of Table 2 / Table 3.
 PRESETS = ((6, 2), (12, 2), (6, 4), (12, 3), (6, 6), (24, 2), (12, 4), (6, 8))
@@ -141,6 +145,12 @@ class MultiPathTransformerModel(TransformerModel):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(args, flag)}")
+        if getattr(args, "fp16", False) and args.path_weights == "learnable":
+            logger.warning(
+                "multi-path model with --fp16: the gradients of the path and residual weights "
+                "(alpha, beta) sum over every token and channel and overflow fp16 at a loss "
+                "scale several times below the rest of the model's; --amp keeps them in fp32 "
+                "(docs/fidelity.md, 'Architecture and GPU-scale numerics')")
         return super().build_model(args, task)
 
     def set_beam_size(self, beam_size):
