@@ -239,6 +239,9 @@ class ReleaseHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.requests.append((self.path, self.headers.get("Range")))
         path = self.root / self.path.lstrip("/")
+        if self.path.startswith("/status/"):   # /status/CODE answers CODE
+            self.send_error(int(self.path.rsplit("/", 1)[1]))
+            return
         if not path.is_file():
             self.send_error(404, "File not found")
             return
@@ -528,6 +531,20 @@ def test_download_resumes_after_a_dropped_connection(tmp_path, server, monkeypat
     err = capsys.readouterr().err
     assert "interrupted" in err and "resuming big.tgz.part at 1.0 MB" in err and "(100%)" in err
     assert not (tmp_path / "big.tgz.part").exists()
+
+
+def test_server_errors_are_retried_client_errors_are_not(tmp_path, server, monkeypatch):
+    monkeypatch.setattr(prepare, "RETRY_WAIT", 0.0)
+    monkeypatch.setattr(prepare, "DOWNLOAD_RETRIES", 3)
+    url, _, requests, _ = server
+    requests.clear()
+    with pytest.raises(PrepareError, match="download failed: .*/status/503: HTTP Error 503"):
+        fetch(Archive(f"{url}/status/503"), tmp_path)
+    assert requests == [("/status/503", None)] * 3
+    requests.clear()
+    with pytest.raises(PrepareError, match="download failed: .*/status/403: HTTP Error 403"):
+        fetch(Archive(f"{url}/status/403"), tmp_path)
+    assert requests == [("/status/403", None)]
 
 
 def test_complete_part_file_is_checked_not_downloaded_again(tmp_path, server):

@@ -413,7 +413,7 @@ def _content_range_total(response):
 def download(url, part, label):
     """Fetch ``url`` into ``part``, resuming from what ``part`` already holds with an HTTP Range
     request, also after a connection dropped midway; gives up after DOWNLOAD_RETRIES attempts in a
-    row that receive nothing. Errors that retrying cannot fix (HTTP 404, ...) raise at once."""
+    row that receive nothing. HTTP errors other than server errors (404, 403, ...) raise at once."""
     failures = 0
     while True:
         have = part.stat().st_size if part.is_file() else 0
@@ -436,11 +436,11 @@ def download(url, part, label):
             if total and size < total:
                 raise ConnectionError(f"the connection closed after {size:,} of {total:,} bytes")
             return
-        except urllib.error.HTTPError as e:
-            if e.code == 416 and have:  # nothing left after byte `have`: the file is complete
-                return
-            raise
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            if isinstance(e, urllib.error.HTTPError) and e.code < 500:
+                if e.code == 416 and have:  # nothing left after byte `have`: the file is complete
+                    return
+                raise
             received = part.stat().st_size if part.is_file() else 0
             failures = 0 if received > have else failures + 1
             if failures >= DOWNLOAD_RETRIES:
@@ -460,8 +460,8 @@ def _download_checked(archive, urls, target):
             try:
                 download(url, piece, f"download {piece.name[:-5]}")
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                how = archive.manual or archive.page or (f"or download {archive.filename} yourself and pass "
-                                                         "its folder as --raw-dir")
+                how = archive.manual or archive.page or (f"else download {archive.filename} yourself and "
+                                                         "pass its folder as --raw-dir")
                 raise PrepareError(f"download failed: {url}: {e}; check the network or --mirror; {how}") from None
             pieces.append(piece)
         checked = pieces[0]
