@@ -1,8 +1,12 @@
-"""Top-k routed mixture-of-experts FFN (WideNet, Xue et al. 2022, Sec. 3.1; Switch balance loss).
+"""Top-k routed mixture-of-experts FFN (WideNet, Xue et al. 2022, "Routing" and "Balanced Loading").
 
-Router: g(x) = TopK(softmax(f(x) + eps)), f linear, eps ~ N(0, 1/E^2) in training only (Eq. 1-2).
-Each expert keeps at most ceil(C * k * S / E) tokens per routing call, S = non-padding tokens
-(Eq. 3). Load-balance loss per routing call (Switch form): l = E * sum_i m_i * P_i (Eq. 4-5).
+Router: g(x) = TopK(softmax(f(x) + eps)), f linear, eps ~ N(0, 1/E^2) in training only (Eqs. 1-2).
+Capacity (the paper's buffer B = C K N L, N L the tokens of the call): each expert keeps at most
+ceil(C * k * R / E) assignments per routing call, R = its non-padding tokens. Load-balance loss
+per routing call: l = E * sum_i m_i * P_i (Eq. 3), m_i the fraction of tokens that chose expert
+i among their top k (Eq. 4: every selection counts, so sum_i m_i = k), P_i the mean router
+probability of expert i (Eq. 5). Routing makes no host sync: every shape comes from the input's
+shape (see :class:`TopKRouter`), no boolean mask, no bincount.
 
 Priority when an expert overflows: all first choices come before all second choices (and so on),
 and within one choice rank earlier tokens win (token order is the flattened input order; for
@@ -31,35 +35,41 @@ MAX_PENDING_STATS = 1024
 
 @dataclass
 class SlotPlan:
-    """Where the kept (token, rank) assignments of S tokens with k ranks each sit in a flat
-    [E * capacity] expert buffer, as two gather maps (no scatter: on CPU, index_add/scatter_add
-    cost more than the rest of the dispatch and combine, and gathers are deterministic).
+    """Where the (token, rank) assignments of S tokens with k ranks each sit in a flat
+    [E * capacity] expert buffer, as gather maps of fixed shapes (no scatter: on CPU,
+    index_add/scatter_add cost more than the rest of the dispatch and combine, and gathers are
+    deterministic; no boolean masks: their shapes depend on the data, a host sync on a GPU).
 
-    Assignments are numbered token-major (token * k + rank). An empty slot maps to token 0 and a
-    dropped assignment to slot 0: what is gathered there is never used, because every sum over a
-    token's assignments weighs it by ``kept`` (0 or 1 per assignment).
+    Assignments are numbered token-major (token * k + rank). An empty slot maps to token 0 and
+    assignment S * k (weight 0), a dropped assignment to slot 0: what is gathered there is never
+    used, because every sum over a token's assignments weighs it by ``kept`` (0 or 1).
     """
 
     token_of_slot: torch.Tensor  # long [E * capacity]
+    assignment_of_slot: torch.Tensor  # long [E * capacity]: S * k for empty slots
     slot_of_assignment: torch.Tensor  # long [S * k]
     kept: torch.Tensor  # fp32 [S, k]: 1 for kept assignments, 0 for dropped ones and padding
-    kept_assignments: torch.Tensor  # long [N]: the kept assignments (token-major numbers)
-    kept_slots: torch.Tensor  # long [N]: their slots
 
     @classmethod
-    def build(cls, num_tokens: int, top_k: int, num_slots: int, kept_assignments: torch.Tensor,
-              kept_slots: torch.Tensor) -> "SlotPlan":
-        def zeros(size):
-            return torch.zeros(size, dtype=torch.long, device=kept_slots.device)
-
-        return cls(
-            token_of_slot=zeros(num_slots).index_copy_(0, kept_slots,
-                                                       kept_assignments // top_k),
-            slot_of_assignment=zeros(num_tokens * top_k).index_copy_(0, kept_assignments,
-                                                                     kept_slots),
-            kept=torch.zeros(num_tokens * top_k, device=kept_slots.device).index_fill_(
-                0, kept_assignments, 1.0).view(num_tokens, top_k),
-            kept_assignments=kept_assignments, kept_slots=kept_slots)
+    def build(cls, num_tokens: int, top_k: int, num_slots: int, assignments: torch.Tensor,
+              slots: torch.Tensor) -> "SlotPlan":
+        """``assignments`` (token-major numbers) go to ``slots``; a slot equal to ``num_slots``
+        means dropped. Assignments not listed are dropped too."""
+        device = slots.device
+        num_assignments = num_tokens * top_k
+        has_slot = slots < num_slots
+        # dropped assignments all write to one extra slot, cut off afterwards
+        token_of_slot = torch.zeros(num_slots + 1, dtype=torch.long, device=device).index_copy_(
+            0, slots, assignments // top_k)[:num_slots]
+        assignment_of_slot = torch.full((num_slots + 1,), num_assignments, dtype=torch.long,
+                                        device=device).index_copy_(0, slots, assignments)
+        slot_of_assignment = torch.zeros(num_assignments, dtype=torch.long,
+                                         device=device).index_copy_(
+            0, assignments, torch.where(has_slot, slots, torch.zeros_like(slots)))
+        kept = torch.zeros(num_assignments, device=device).index_copy_(
+            0, assignments, has_slot.float()).view(num_tokens, top_k)
+        return cls(token_of_slot=token_of_slot, assignment_of_slot=assignment_of_slot[:num_slots],
+                   slot_of_assignment=slot_of_assignment, kept=kept)
 
     @property
     def num_tokens(self) -> int:
@@ -90,9 +100,8 @@ class SlotPlan:
 
     def _slot_weights(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The weight of the assignment in each slot, 0 for empty slots."""
-        return torch.zeros(self.token_of_slot.size(0), dtype=dtype,
-                           device=weights.device).index_copy_(
-            0, self.kept_slots, weights.reshape(-1).index_select(0, self.kept_assignments).to(dtype))
+        padded = torch.cat([weights.reshape(-1).to(dtype), weights.new_zeros(1, dtype=dtype)])
+        return padded.index_select(0, self.assignment_of_slot)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -139,9 +148,9 @@ class _Combine(torch.autograd.Function):
 
 @dataclass
 class RoutingStats:
-    """Statistics of one routing call (the shared protocol of MoE-style layers)."""
+    """Statistics of one routing call (the shared protocol of MoE-style layers), all tensors."""
 
-    balance_loss: torch.Tensor  # fp32 0-dim, with grad: E * sum_i m_i P_i
+    balance_loss: torch.Tensor  # fp32 0-dim, with grad: E * sum_i m_i P_i (Eqs. 3-5)
     dropped_tokens: torch.Tensor  # int64 0-dim: token-to-expert assignments over capacity
     routed_tokens: torch.Tensor  # int64 0-dim: non-padding tokens in the call
     expert_load: torch.Tensor  # fp32 [E]: assignments kept per expert
@@ -150,18 +159,12 @@ class RoutingStats:
 
 @dataclass
 class Routing:
-    """One routing decision and its dispatch plan.
-
-    Assignments are numbered rank-major here: assignment a = rank * S + token. The kept ones are
-    listed in ``assignment_index`` with their expert-buffer slot (expert * capacity + position).
-    """
+    """One routing decision and its dispatch plan."""
 
     expert_index: torch.Tensor  # long [S, k]: chosen experts, best first
     gates: torch.Tensor  # fp32 [S, k]: their router probabilities (not renormalised)
-    assignment_index: torch.Tensor  # long [N]: kept assignments
-    slot_index: torch.Tensor  # long [N]: their slot in the flat [E * capacity] expert buffer
     plan: SlotPlan
-    capacity: int
+    capacity: int  # slots per expert in the dispatch buffer
     num_experts: int
     stats: RoutingStats
 
@@ -172,6 +175,21 @@ class Routing:
     @property
     def top_k(self) -> int:
         return self.expert_index.size(1)
+
+    def _kept_rank_major(self) -> torch.Tensor:
+        return self.plan.kept.t().reshape(-1) > 0
+
+    @property
+    def assignment_index(self) -> torch.Tensor:
+        """The kept assignments, numbered rank-major (rank * S + token), ascending. A boolean
+        mask of the data: for tests and analysis, not for the forward pass (a host sync)."""
+        return self._kept_rank_major().nonzero().squeeze(1)
+
+    @property
+    def slot_index(self) -> torch.Tensor:
+        """The slot (expert * capacity + position) of each of ``assignment_index``."""
+        slots = self.plan.slot_of_assignment.view(self.num_tokens, -1).t().reshape(-1)
+        return slots[self._kept_rank_major()]
 
     def dispatch(self, tokens: torch.Tensor) -> torch.Tensor:
         """[S, d] tokens -> [E, capacity, d] expert inputs. Empty slots hold a copy of some token:
@@ -197,11 +215,26 @@ def init_experts_like_linear_(weight: torch.Tensor, bias: torch.Tensor, fan_in: 
     nn.init.uniform_(bias, -bound, bound)
 
 
+def _exact(capacity_factor: float) -> Fraction:
+    return Fraction(capacity_factor).limit_denominator(10 ** 6)
+
+
 def expert_capacity(capacity_factor: float, k: int, routed_tokens: int, num_experts: int) -> int:
     """ceil(C * k * S / E), in exact arithmetic (1.2 * 2 * 10 / 4 is 6, not 6.000000000000001)."""
-    exact = Fraction(capacity_factor).limit_denominator(10 ** 6) * k * routed_tokens / num_experts
+    exact = _exact(capacity_factor) * k * routed_tokens / num_experts
     # An expert never receives more than one assignment per token.
     return min(math.ceil(exact), routed_tokens)
+
+
+def expert_capacity_on_device(capacity_factor: float, k: int, routed_tokens: torch.Tensor,
+                              num_experts: int) -> torch.Tensor:
+    """:func:`expert_capacity` of a 0-dim int64 tensor of tokens, computed where it lives (no
+    host sync): ceil(p * k * S / (q * E)) for C = p / q, as integer arithmetic."""
+    exact = _exact(capacity_factor)
+    numerator, denominator = exact.numerator * k, exact.denominator * num_experts
+    capacity = torch.div(routed_tokens * numerator + (denominator - 1), denominator,
+                         rounding_mode="floor")
+    return torch.minimum(capacity, routed_tokens)
 
 
 def check_routing_config(num_experts: int, k: int, capacity_factor: float):
@@ -215,16 +248,26 @@ def check_routing_config(num_experts: int, k: int, capacity_factor: float):
 
 
 class TopKRouter(nn.Module):
-    """g(x) = TopK(softmax(f(x) + eps)) with expert capacity (WideNet Eq. 1-3), computed in fp32."""
+    """g(x) = TopK(softmax(f(x) + eps)) with expert capacity (WideNet Eq. 2), computed in fp32.
+
+    Capacity: an expert keeps at most ceil(C * k * R / E) assignments of a routing call, R its
+    non-padding tokens; its buffer has ceil(C * k * S / E) slots, S all token positions (padding
+    included), a Python int from shapes, so routing needs no host sync (with padding the extra
+    slots stay empty). The paper's B = CKNL is this with N * L = the tokens of the call.
+    ``capacity_at_inference=False``: in eval mode no assignment is dropped (buffer S slots per
+    expert), so a token's output does not depend on the other tokens of its batch.
+    """
 
     def __init__(self, embed_dim: int, num_experts: int, k: int = 2,
-                 capacity_factor: float = 1.2, noise: bool = True):
+                 capacity_factor: float = 1.2, noise: bool = True,
+                 capacity_at_inference: bool = True):
         super().__init__()
         check_routing_config(num_experts, k, capacity_factor)
         self.num_experts = num_experts
         self.k = k
         self.capacity_factor = capacity_factor
         self.noise = noise
+        self.capacity_at_inference = capacity_at_inference
         # Switch/GShard routers have no bias.
         self.weight = nn.Parameter(torch.empty(num_experts, embed_dim))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -235,8 +278,6 @@ class TopKRouter(nn.Module):
         """x: [S, d]; valid: [S] bool (False = padding, never routed) or None."""
         num_tokens = x.size(0)
         E, k = self.num_experts, self.k
-        if valid is None:
-            valid = torch.ones(num_tokens, dtype=torch.bool, device=x.device)
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
             if self.training and self.noise:
@@ -244,45 +285,50 @@ class TopKRouter(nn.Module):
             probs = logits.softmax(dim=-1)
         gates, expert_index = probs.topk(k, dim=-1)
 
-        routed_tokens = valid.sum()
-        # The capacity sets the expert buffer's shape, so it is a Python int: one host sync per
-        # routing call.
-        capacity = expert_capacity(self.capacity_factor, k, int(routed_tokens), E)
+        # Rank-major assignments (all first choices, then all second choices, ...): a running
+        # count per expert in this order is each assignment's position in its expert's buffer,
+        # so first choices come before second choices and earlier tokens before later ones.
+        selected = F.one_hot(expert_index.t().reshape(-1), E)  # [k * S, E]
+        if valid is None:
+            routed_tokens = torch.tensor(num_tokens, device=x.device)
+        else:
+            selected = selected * valid.repeat(k).unsqueeze(1)
+            routed_tokens = valid.sum()
+        is_routed = selected.sum(1) > 0
+        position = (selected.cumsum(0) * selected).sum(1) - 1  # -1 for padding
 
-        # Rank-major assignments (all first choices, then all second choices, ...) so that a
-        # stable sort by expert puts them in priority order within each expert.
-        expert_flat = expert_index.t().reshape(-1)
-        valid_flat = valid.repeat(k)
-        key = torch.where(valid_flat, expert_flat, torch.full_like(expert_flat, E))
-        sorted_key, order = torch.sort(key, stable=True)
-        counts = torch.bincount(key, minlength=E + 1)
-        starts = counts.cumsum(0) - counts
-        position = torch.arange(key.numel(), device=x.device) - starts[sorted_key]
-        is_routed = sorted_key < E
-        keep = is_routed & (position < capacity)
-        kept_expert = sorted_key[keep]
-        assignment_index = order[keep]
+        if self.training or self.capacity_at_inference:
+            capacity = expert_capacity(self.capacity_factor, k, num_tokens, E)
+            limit = capacity if valid is None else expert_capacity_on_device(
+                self.capacity_factor, k, routed_tokens, E)
+            keep = is_routed & (position < limit)
+        else:  # every token reaches its k experts: at most one assignment per token and expert
+            capacity = num_tokens
+            keep = is_routed
+        slot = torch.where(keep, expert_index.t().reshape(-1) * capacity + position,
+                           torch.full_like(position, E * capacity))
 
-        top1 = expert_index[:, 0][valid]
-        fraction_top1 = torch.bincount(top1, minlength=E).float() / routed_tokens.clamp(min=1)
-        mean_prob = (probs * valid.unsqueeze(1)).sum(0) / routed_tokens.clamp(min=1)
+        # Eq. 4: m_i counts every top-k selection of expert i (before capacity), so sum_i m_i = k
+        per_token = routed_tokens.clamp(min=1)
+        selections = selected.sum(0).float() / per_token
+        mean_prob = (probs if valid is None else probs * valid.unsqueeze(1)).sum(0) / per_token
+        kept_selected = selected * keep.unsqueeze(1)
         stats = RoutingStats(
-            balance_loss=E * (fraction_top1 * mean_prob).sum(),
+            balance_loss=E * (selections * mean_prob).sum(),
             dropped_tokens=(is_routed.sum() - keep.sum()).long(),
             routed_tokens=routed_tokens.long(),
-            expert_load=torch.bincount(kept_expert, minlength=E).float(),
+            expert_load=kept_selected.sum(0).float(),
             top_k=k,
         )
         if self.training:
             self._record(stats)
-        slot_index = kept_expert * capacity + position[keep]
-        token, rank = assignment_index % num_tokens, assignment_index // num_tokens
+        # token-major numbers of the rank-major assignments: a = rank * S + token -> token * k + rank
+        rank_major = torch.arange(k * num_tokens, device=x.device)
+        token_major = (rank_major % num_tokens) * k + rank_major // num_tokens
         return Routing(
             expert_index=expert_index,
             gates=gates,
-            assignment_index=assignment_index,
-            slot_index=slot_index,
-            plan=SlotPlan.build(num_tokens, k, E * capacity, token * k + rank, slot_index),
+            plan=SlotPlan.build(num_tokens, k, E * capacity, token_major, slot),
             capacity=capacity,
             num_experts=E,
             stats=stats,
