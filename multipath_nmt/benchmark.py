@@ -294,13 +294,19 @@ class ForwardBackwardClock:
         trainer.task.train_step = timed_task_step
 
 
-def time_train_steps(trainer, sample, steps, device):
+def tokens_of_steps(samples, steps):
+    """The tokens ``steps`` training steps see, cycling over ``samples`` from the first."""
+    return sum(samples[index % len(samples)]["ntokens"] for index in range(steps))
+
+
+def time_train_steps(trainer, samples, steps, device):
+    """Tokens/s of ``steps`` training steps, cycling over ``samples`` from the first."""
     _sync(device)
     start = clock(device)
-    for _ in range(steps):
-        trainer.train_step([sample])
+    for index in range(steps):
+        trainer.train_step([samples[index % len(samples)]])
     _sync(device)
-    return sample["ntokens"] * steps / (clock(device) - start)
+    return tokens_of_steps(samples, steps) / (clock(device) - start)
 
 
 def beam_search_timer(trainer, task, size, device):
@@ -354,6 +360,7 @@ def _memory_probe(spec):
         sample = synthetic_batch(size, len(task.source_dictionary))
         trainer.train_step([sample])  # allocate optimizer state and caches
         if device == "cuda":
+            trainer.cuda_env = None  # else fairseq resets the peak counter inside train_step
             torch.cuda.reset_peak_memory_stats()
         else:
             with open("/proc/self/clear_refs", "w") as f:
@@ -481,46 +488,75 @@ def _summary(values):
             "values": values}
 
 
-def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, log=print):
-    """Measure every system; returns the result dict that ``write_reports`` renders."""
+PADDED_BATCHES = 8  # the padded mode's batches per system, cycled through by every measurement
+
+
+def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, padded=None,
+        log=print):
+    """Measure every system; returns the result dict that ``write_reports`` renders.
+
+    ``padded`` (the default on CUDA): train on padded, length-varied fairseq batches of about
+    batch x length tokens instead of one full-length batch, and judge MFU against the best rate
+    the device reaches on the measured models' own matrix products instead of a 1024^3 matmul
+    (a GPU's rate depends on the shapes far more than a CPU's)."""
+    from multipath_nmt import gpu_check
+
     size = SIZES[size_name]
+    padded = device == "cuda" if padded is None else padded
     systems = [s for s in systems_for(size) if not only or s.name in only]
     dtype = torch.float16 if fp16 else torch.float32
     heap_allocator = device == "cpu" and keep_freed_memory()
-    peak = matmul_peak_flops(device, dtype)
-    log(f"matmul peak ({dtype}): {peak / 1e9:.1f} GFLOP/s")
+    if not padded:
+        peak = matmul_peak_flops(device, dtype)
+        log(f"matmul peak ({dtype}): {peak / 1e9:.1f} GFLOP/s")
+    gemm_shapes = set()
     results = {}
     with fake_data_dir(size["vocab"]) as data:
         built = {}
         for system in systems:
             flags = fairseq_flags(size, system)
             trainer, task = build_trainer(data, flags, device, fp16, system.loop_reference)
-            sample = synthetic_batch(size, len(task.source_dictionary))
-            flops = training_flops_per_token(trainer, sample)
+            if padded:
+                samples = gpu_check.padded_batches(task, trainer.model,
+                                                   size["batch"] * size["length"],
+                                                   PADDED_BATCHES, mean_length=size["length"])
+                gemm_shapes.update(gpu_check.model_gemm_shapes(trainer, samples[0]))
+            else:
+                samples = [synthetic_batch(size, len(task.source_dictionary))]
+            sample = samples[0]
+            flops = sum(training_flops_per_token(trainer, s) * s["ntokens"]
+                        for s in samples) / tokens_of_steps(samples, len(samples))
             profile = micro_batch_profile(trainer, sample)
-            trainer.train_step([sample])  # warm-up: optimizer state, allocator, caches
+            for s in samples:  # warm-up: optimizer state, allocator, caches
+                trainer.train_step([s])
             steps = steps_per_measurement(
-                size, sample["ntokens"] / time_train_steps(trainer, sample, 1, device))
+                size, sample["ntokens"] / time_train_steps(trainer, samples, 1, device))
             params = sum(p.numel() for p in trainer.model.parameters())
             inactive = sum(m.inactive_parameter_count() for m in trainer.model.modules()
                            if hasattr(m, "inactive_parameter_count"))
-            built[system.name] = (trainer, task, sample, ForwardBackwardClock(trainer, device))
+            built[system.name] = (trainer, task, samples, ForwardBackwardClock(trainer, device))
             results[system.name] = dict(arch=system.arch, flags=system.flags, group=system.group,
                                         compare_to=system.compare_to,
                                         loop_reference=system.loop_reference, params=params,
                                         active_params=params - inactive,
                                         train_flops_per_token=flops, **profile,
-                                        steps_per_measurement=steps, tokens_per_s=[],
+                                        steps_per_measurement=steps,
+                                        tokens_per_step=tokens_of_steps(samples, steps) / steps,
+                                        tokens_per_s=[],
                                         forward_backward_s=[])
             log(f"built {system.name}: {params / 1e6:.2f}M params, "
                 f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement, "
                 f"{profile['host_syncs']} host syncs per micro-batch")
+        if padded:
+            peak, best_shape = gpu_check.gemm_peak_flops(gemm_shapes, device, dtype, repeats=20)
+            log(f"peak over the models' {len(gemm_shapes)} matrix product shapes ({dtype}): "
+                f"{peak / 1e9:.1f} GFLOP/s at (batch, m, k, n) = {best_shape}")
         for repeat in range(size["repeats"]):  # round-robin against drift
             for system in systems:
-                trainer, _, sample, forward_backward = built[system.name]
+                trainer, _, samples, forward_backward = built[system.name]
                 steps = results[system.name]["steps_per_measurement"]
                 forward_backward.seconds = 0.0
-                rate = time_train_steps(trainer, sample, steps, device)
+                rate = time_train_steps(trainer, samples, steps, device)
                 results[system.name]["tokens_per_s"].append(rate)
                 results[system.name]["forward_backward_s"].append(
                     forward_backward.seconds / steps)
@@ -528,7 +564,7 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
         for system in systems:
             r = results[system.name]
             # per repeat, so the update's share is not the difference of two unrelated medians
-            tokens = built[system.name][2]["ntokens"]
+            tokens = r["tokens_per_step"]
             r["update_s"] = _summary([tokens / rate - forward_backward for rate, forward_backward
                                       in zip(r["tokens_per_s"], r["forward_backward_s"])])
             for key in ("tokens_per_s", "forward_backward_s"):
@@ -553,6 +589,11 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, l
         "size": size_name, "shape": size, "device": device,
         "dtype": str(dtype).replace("torch.", ""),
         "machine": machine_description(device), "matmul_peak_flops": peak,
+        "batches": (f"{PADDED_BATCHES} padded, length-varied batches of up to "
+                    f"{size['batch'] * size['length']} tokens" if padded
+                    else "one full-length batch"),
+        "peak": ("the best of the models' own matrix products" if padded
+                 else "a 1024 x 1024 x 1024 matmul"),
         "heap_allocator": heap_allocator,
         "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results,
         "layers": layers,
@@ -618,7 +659,8 @@ def markdown_report(result):
     lines = [
         f"Machine: {result['machine']}; device {result['device']}, {result['dtype']}; "
         f"size `{result['size']}` {json.dumps(result['shape'])}; "
-        f"matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s.",
+        f"matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s"
+        f" on {result['peak']}; training on {result['batches']}.",
         "",
         ("Rates are per second of this process's CPU time (all threads; see `clock()`), so other "
          "load on the machine changes them far less than wall time." if result["device"] == "cpu"

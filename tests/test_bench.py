@@ -97,6 +97,53 @@ def test_bench_refuses_fp16_on_cpu_and_unknown_systems(tmp_path):
     assert proc.returncode == 2 and "unknown system(s) ['nope']" in proc.stderr
 
 
+def test_bench_refuses_cuda_without_a_gpu_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--device", "cuda"],
+                   check=False)
+    ours = [line for line in proc.stderr.splitlines() if not line.startswith("INFO:fairseq")]
+    assert proc.returncode == 1 and ours == [
+        f"multipath-bench: --device cuda: no CUDA device is visible to PyTorch "
+        f"{torch.__version__} (CUDA build: none)"]
+
+
+def test_measurements_cycle_over_the_batches_from_the_first():
+    from multipath_nmt.benchmark import tokens_of_steps
+
+    batches = [{"ntokens": 3}, {"ntokens": 5}, {"ntokens": 7}]
+    assert [tokens_of_steps(batches, steps) for steps in (1, 3, 4, 7)] == [3, 15, 18, 33]
+
+
+@pytest.mark.slow
+def test_bench_padded_mode_runs_on_the_cpu(tmp_path):
+    """The CUDA mode's batches (padded, length-varied, fairseq's batching) and peak (the models'
+    own matrix products), on the CPU at the tiny size."""
+    from multipath_nmt import benchmark
+
+    systems = ["stock prenorm L", "WideNet (shared attn + MoE E4 k2)"]
+    result = benchmark.run("tiny", "cpu", only=systems, memory=False, padded=True,
+                           log=lambda message: None)
+    result = benchmark.write_reports(result, tmp_path)
+    assert result["batches"] == "8 padded, length-varied batches of up to 96 tokens"
+    assert result["peak"] == "the best of the models' own matrix products"
+    assert result["matmul_peak_flops"] > 0
+    for row in result["systems"].values():
+        steps = row["steps_per_measurement"]
+        assert steps == 1
+        assert 0 < row["train_flops_per_token"]
+        assert isinstance(row["host_syncs"], int) and row["host_syncs"] >= 0
+        assert 0 < row["tokens_per_step"] < 96  # the first batch's real tokens, not its padding
+        for forward_backward, update, rate in zip(row["forward_backward_s"]["values"],
+                                                  row["update_s"]["values"],
+                                                  row["tokens_per_s"]["values"]):
+            assert forward_backward + update == pytest.approx(row["tokens_per_step"] / rate)
+    assert "training on 8 padded, length-varied batches of up to 96 tokens" in (
+        tmp_path / "bench.md").read_text()
+
+
 @pytest.mark.parametrize("name,layer", [("ParameterNet (routed, both)", "RoutedLinear"),
                                         ("ParameterNet (dynamic, both)", "DynamicLinear")])
 def test_parameternet_systems_build_the_mode_their_name_says(name, layer):

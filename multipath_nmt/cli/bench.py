@@ -17,6 +17,9 @@ def cli_main(argv=None):
                         help="train in fp16 (fairseq --fp16, needs --device cuda)")
     parser.add_argument("--only", nargs="+", metavar="SYSTEM",
                         help="measure only these systems (names as in the table)")
+    parser.add_argument("--padded", action="store_true",
+                        help="train on padded, length-varied batches and judge MFU against the "
+                             "models' own matrix products (always on with --device cuda)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the per-system peak-memory probes (one process each)")
     parser.add_argument("--out", default="results/bench",
@@ -28,7 +31,8 @@ def cli_main(argv=None):
         import torch
 
         if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device is visible to PyTorch")
+            sys.exit(f"multipath-bench: --device cuda: no CUDA device is visible to PyTorch "
+                     f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
     known = {s.name for s in benchmark.systems_for(benchmark.SIZES[args.size])}
     unknown = sorted(set(args.only or []) - known)
     if unknown:
@@ -37,7 +41,7 @@ def cli_main(argv=None):
     warnings.filterwarnings("ignore", module="hydra")
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     result = benchmark.run(args.size, args.device, args.fp16, args.only,
-                           memory=not args.no_memory, log=log)
+                           memory=not args.no_memory, padded=args.padded or None, log=log)
     result = benchmark.write_reports(result, args.out)
     print(benchmark.markdown_report(result))
     print(f"wrote {args.out}/bench.json, bench.md, bench.png", file=sys.stderr)
