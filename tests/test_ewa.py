@@ -257,7 +257,8 @@ def _training_args(*flags):
     (["--ddp-backend", "fully_sharded"], "EWA does not support --ddp-backend fully_sharded"),
     (["--use-bmuf"], "EWA does not support --use-bmuf"),
 ])
-@pytest.mark.parametrize("arch", ["ewa_transformer_wmt_en_de", "early_ewa_transformer_wmt_en_de"])
+@pytest.mark.parametrize("arch", ["ewa_transformer_wmt_en_de",
+                                  "ewa_early_transformer_wmt_en_de"])
 def test_refuses_fully_sharded_and_bmuf(arch, flags, message):
     from multipath_nmt.models.moe_transformer import check_args
 
@@ -268,7 +269,7 @@ def test_refuses_fully_sharded_and_bmuf(arch, flags, message):
 
 
 def test_early_ewa_defaults_are_the_papers():
-    args = _training_args("--arch", "early_ewa_transformer_wmt_en_de", "--max-update", "10")
+    args = _training_args("--arch", "ewa_early_transformer_wmt_en_de", "--max-update", "10")
     assert (args.encoder_ffn, args.ewa_stop_at, args.ewa_schedule, args.moe_capacity_factor,
             args.ewa_layers, args.ewa_experts) == ("ewa", 0.5, "constant", 1.05, "every-2", 4)
     # the same from --ewa-stop-at on the EWA arch; plain EWA keeps the linear schedule
@@ -277,13 +278,18 @@ def test_early_ewa_defaults_are_the_papers():
     args = _training_args("--arch", "ewa_transformer_wmt_en_de")
     assert (args.ewa_schedule, args.ewa_stop_at) == ("linear", None)
     # explicit flags win
-    args = _training_args("--arch", "early_ewa_transformer_wmt_en_de", "--ewa-schedule",
+    args = _training_args("--arch", "ewa_early_transformer_wmt_en_de", "--ewa-schedule",
                           "linear", "--moe-capacity-factor", "1.2", "--ewa-stop-at", "0.3")
     assert (args.ewa_schedule, args.moe_capacity_factor, args.ewa_stop_at) == ("linear", 1.2, 0.3)
     # the moe criterion's balance weight is early EWA's 0.01
     from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
         LabelSmoothedCrossEntropyWithMoeCriterionConfig as Config)
     assert Config().moe_balance_weight == 0.01
+    # ... which train.sh's recipe picks for the arch
+    from multipath_nmt.recipe import criterion_for_arch
+
+    assert criterion_for_arch("ewa_early_transformer_wmt_en_de") == (
+        "label_smoothed_cross_entropy_with_moe")
 
 
 class _Model(nn.Module):
@@ -407,9 +413,11 @@ def test_ewa_inactive_parameters_are_all_but_one_expert():
 
 
 @pytest.mark.slow
-def test_resume_is_bit_exact(toy_data_bin, tmp_path):
+@pytest.mark.parametrize("precision", [[], ["--memory-efficient-fp16"]], ids=["fp32", "fp16"])
+def test_resume_is_bit_exact(toy_data_bin, tmp_path, precision):
     """The partition reseeds with fairseq's per-update seed and the schedule depends only on the
-    restored update count; loading a checkpoint must not run an extra averaging."""
+    restored update count; loading a checkpoint must not run an extra averaging. In fp16 without
+    optimizer masters, the experts' fp32 copies come back from the checkpoint."""
     import shutil
 
     from fairseq import checkpoint_utils
@@ -418,7 +426,7 @@ def test_resume_is_bit_exact(toy_data_bin, tmp_path):
         return run_fairseq("train", toy_data_bin, "--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL,
                     *TRAIN_FLAGS, "--ewa-share-rate", "0.5", "--max-update", "4",
                     "--save-interval-updates", "2", "--save-dir", save_dir,
-                    "--no-epoch-checkpoints")
+                    "--no-epoch-checkpoints", *precision)
 
     train(tmp_path / "straight")
     (tmp_path / "resumed").mkdir()
@@ -430,6 +438,8 @@ def test_resume_is_bit_exact(toy_data_bin, tmp_path):
         str(tmp_path / run / "checkpoint_last.pt"))["model"] for run in ("straight", "resumed"))
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    copies = {k for k in straight if ".ffn.fp32_experts." in k}
+    assert len(copies) == (4 if precision else 0)
 
 
 def test_training_step_and_averaging_make_no_host_sync():

@@ -11,7 +11,7 @@ Everything except the FFN sub-block of the chosen encoder layers is fairseq's ow
   ``--ewa-stop-at F`` is the paper's "early EWA" (EWA used to improve a naive MoE): the layers are
   top-1 routed MoEs (learned router, capacity, balance loss) that get the EWA update after each of
   the first F * --max-update steps, then train as plain MoEs and stay MoEs at inference (so they
-  cannot be folded into a dense FFN). ``--arch early_ewa_transformer_wmt_en_de`` has the paper's
+  cannot be folded into a dense FFN). ``--arch ewa_early_transformer_wmt_en_de`` has the paper's
   early-EWA defaults: F = 0.5, a constant share rate, capacity factor 1.05, every other layer.
 - ``--encoder-ffn parameternet``: ParameterNet projections (Han et al., 2023) in every layer:
   dynamic (the paper's vision models: per-sentence mixing of M matrices, on both projections by
@@ -214,7 +214,7 @@ class MoETransformerModel(TransformerModel):
                                  "only during the first fraction F of --max-update (in [0, 1]); "
                                  "the paper's early EWA stops at 0.5 with a constant schedule, "
                                  "capacity factor 1.05 and balance weight 0.01: the defaults of "
-                                 "--arch early_ewa_transformer_wmt_en_de (and of the schedule "
+                                 "--arch ewa_early_transformer_wmt_en_de (and of the schedule "
                                  "and capacity whenever F is given)")
         parser.add_argument("--ewa-init-from", metavar="CHECKPOINT",
                             help="start every EWA expert as a copy of the FFN of the same layer "
@@ -310,8 +310,8 @@ def ewa_transformer_wmt_en_de(args):
     moe_transformer(args)
 
 
-@register_model_architecture("moe_transformer", "early_ewa_transformer_wmt_en_de")
-def early_ewa_transformer_wmt_en_de(args):
+@register_model_architecture("moe_transformer", "ewa_early_transformer_wmt_en_de")
+def ewa_early_transformer_wmt_en_de(args):
     """Early EWA as the paper's defaults: a top-1 MoE every other layer, averaged with a constant
     share rate during the first half of training."""
     args.encoder_ffn = getattr(args, "encoder_ffn", "ewa")
