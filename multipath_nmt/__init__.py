@@ -24,4 +24,4 @@ if not _root_logging[1]:
 
 USER_DIR = os.path.dirname(os.path.abspath(__file__))
 
-from multipath_nmt import criterions, models  # noqa: E402,F401  (registration side effects)
+from multipath_nmt import criterions, models, optim  # noqa: E402,F401  (registration side effects)
