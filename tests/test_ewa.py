@@ -272,6 +272,7 @@ def test_early_ewa_defaults_are_the_papers():
     args = _training_args("--arch", "ewa_early_transformer_wmt_en_de", "--max-update", "10")
     assert (args.encoder_ffn, args.ewa_stop_at, args.ewa_schedule, args.moe_capacity_factor,
             args.ewa_layers, args.ewa_experts) == ("ewa", 0.5, "constant", 1.05, "every-2", 4)
+    assert args.ewa_share_rate == 0.3  # our choice within the paper's 0.1-0.5
     # the same from --ewa-stop-at on the EWA arch; plain EWA keeps the linear schedule
     args = _training_args("--arch", "ewa_transformer_wmt_en_de", "--ewa-stop-at", "0.5")
     assert (args.ewa_schedule, args.moe_capacity_factor) == ("constant", 1.05)
