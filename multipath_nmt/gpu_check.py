@@ -18,7 +18,6 @@ import copy
 import json
 import math
 import os
-import time
 import warnings
 
 import torch
@@ -131,7 +130,7 @@ class GemmShapes(TorchDispatchMode):
 
 def elapsed_seconds(fn, repeats, device):
     """Seconds for ``repeats`` calls of ``fn``: CUDA events around the calls on a GPU (the
-    device's own clock), ``perf_counter`` after the calls finished on the CPU."""
+    device's own clock); on the CPU, ``multipath-bench``'s clock (this process's CPU time)."""
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -140,10 +139,10 @@ def elapsed_seconds(fn, repeats, device):
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    start = time.perf_counter()
+    start = benchmark.clock(device)
     for _ in range(repeats):
         fn()
-    return time.perf_counter() - start
+    return benchmark.clock(device) - start
 
 
 def gemm_peak_flops(shapes, device, dtype, repeats):
@@ -322,10 +321,12 @@ def check_one(size, data_dir, flags, device, from_data_bin, count_syncs):
     shapes = model_gemm_shapes(trainer, batches[0])
     dtype = next(trainer.model.parameters()).dtype
     peak, best_shape = gemm_peak_flops(shapes, device, dtype, size["gemm_repeats"])
+    flops = benchmark.training_flops_per_token(trainer, batches[0])
     result = train_and_watch(trainer, batches, size["steps"], size["warmup_steps"], device,
                              count_syncs)
     result.update(params=sum(p.numel() for p in trainer.model.parameters()),
                   gemm_peak_flops=peak, gemm_peak_shape=best_shape,
+                  train_flops_per_token=flops, mfu=flops * result["tokens_per_s"] / peak,
                   padding=1 - sum(b["ntokens"] for b in batches)
                   / sum(b["target"].numel() for b in batches))
     held_out = padded_batches(task, trainer.model, size["max_tokens"], math.ceil(
@@ -347,15 +348,17 @@ def markdown_report(result):
     lines = [
         f"Machine: {result['machine']}; device {result['device']}, {result['precision']}; size "
         f"`{result['size']}` {json.dumps(result['shape'])}; batches: "
-        f"{result['data'] or 'synthetic, length-varied'}.", "",
+        f"{result['data'] or 'synthetic, length-varied'}. MFU: measured training FLOPs per "
+        "token x tokens/s / the best rate this device reached on the model's own matrix "
+        "products (`gemm_peak_flops` in check.json).", "",
         "| system | loss finite | loss first -> last | skipped steps | loss scale start -> "
-        "lowest -> end | sync warnings per step | peak MiB | tokens/s | vs stock | beam fp16 = "
-        "fp32 | BLEU fp16 vs fp32 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "lowest -> end | sync warnings per step | peak MiB | tokens/s | vs stock | MFU | beam "
+        "fp16 = fp32 | BLEU fp16 vs fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in systems.items():
         if "error" in r:
-            lines.append(f"| {name} | **failed: {r['error'][:200]}** |" + " |" * 9)
+            lines.append(f"| {name} | **failed: {r['error'][:200]}** |" + " |" * 10)
             continue
         scales = [s for s in r["loss_scales"] if s is not None]
         scale = (f"{r['initial_loss_scale']:g} -> {min(scales):g} -> {scales[-1]:g}"
@@ -368,7 +371,8 @@ def markdown_report(result):
         lines.append(
             f"| {name} | {'yes' if r['losses_finite'] else '**no**'} | {losses} | "
             f"{r['skipped']} of {r['steps']} | {scale} | {syncs} | {memory} | "
-            f"{r['tokens_per_s']:.0f} | {versus} | {100 * beam['identical']:.0f}% of "
+            f"{r['tokens_per_s']:.0f} | {versus} | {100 * r['mfu']:.1f}% | "
+            f"{100 * beam['identical']:.0f}% of "
             f"{beam['sentences']} | {beam['bleu']:.1f} |")
     lines += ["", "Where the synchronizations come from (top lines per system):", ""]
     for name, r in systems.items():

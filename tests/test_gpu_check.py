@@ -177,7 +177,7 @@ def test_beam_search_against_a_float32_copy_of_the_same_weights():
 def test_report_shows_each_figure_and_failures():
     row = dict(losses=[9.5, 8.25], losses_finite=True, skipped=2, steps=50, initial_loss_scale=128,
                loss_scales=[64.0, 32.0, 64.0], sync_warnings_per_step=3.5, peak_memory_mib=2048.4,
-               tokens_per_s=20000.0, beam_fp16_vs_fp32={"sentences": 256, "identical": 0.875,
+               tokens_per_s=20000.0, mfu=0.4125, beam_fp16_vs_fp32={"sentences": 256, "identical": 0.875,
                                                         "bleu": 97.25},
                sync_warning_lines={"/x/moe.py:10": 40})
     result = {"machine": "GPU X", "device": "cuda", "precision": "fp16", "size": "gpu",
@@ -186,7 +186,7 @@ def test_report_shows_each_figure_and_failures():
                           "WideNet": row, "EWA": {"error": "RuntimeError: CUDA out of memory"}}}
     text = gpu_check.markdown_report(result)
     assert ("| WideNet | yes | 9.500 -> 8.250 | 2 of 50 | 128 -> 32 -> 64 | 3.5 | 2048 | 20000 "
-            "| 0.80x | 88% of 256 | 97.2 |") in text
+            "| 0.80x | 41.2% | 88% of 256 | 97.2 |") in text
     assert "| EWA | **failed: RuntimeError: CUDA out of memory** |" in text
     assert "- WideNet: 40 at `/x/moe.py:10`" in text
 
@@ -225,5 +225,7 @@ def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
         assert "error" not in row and row["losses_finite"]
         assert row["steps"] == TINY["steps"] and row["initial_loss_scale"] == 128
         assert 0 < row["padding"] < 0.5 and row["gemm_peak_flops"] > 0
+        assert row["mfu"] == pytest.approx(row["train_flops_per_token"] * row["tokens_per_s"]
+                                           / row["gemm_peak_flops"])
         assert row["beam_fp16_vs_fp32"]["sentences"] >= TINY["beam_sentences"]
     assert f"| {gpu_check.STOCK} | yes |" in (tmp_path / "check.md").read_text()
