@@ -9,40 +9,42 @@ from multipath_nmt.modules.moe import MoEFeedForward
 from multipath_nmt.modules.widenet import FeedForward, WideNetEncoderStack
 
 
-def make_stack(layers=4, groups=1, share_layernorm=False, dim=8):
+def make_stack(layers=4, groups=None, share_layernorm=False, dim=8):
     attention = nn.MultiheadAttention(dim, 2)
     moe = MoEFeedForward(dim, 16, num_experts=4, k=2, capacity_factor=1.0)
     return WideNetEncoderStack(dim, layers, [attention], [moe], share_layernorm=share_layernorm,
                                groups=groups)
 
 
-def reference_forward(stack, x, padding_mask, groups):
-    """The WideNet equations written out layer by layer."""
+def reference_forward(stack, x, padding_mask, routed_layers):
+    """The WideNet equations written out layer by layer, routing in ``routed_layers``."""
     attention, moe = stack.attentions[0], stack.ffns[0]
     for layer in range(stack.num_layers):
         h = stack.attention_layer_norms[layer](x)
         x = x + attention(h, h, h, key_padding_mask=padding_mask, need_weights=False)[0]
         h = stack.ffn_layer_norms[layer](x)
-        if layer % groups == 0:
+        if layer in routed_layers:
             routing = moe.route(h, padding_mask)
         x = x + moe(h, padding_mask, routing=routing)
     return x
 
 
-@pytest.mark.parametrize("groups", [1, 2, 4])
-def test_stack_shares_one_block_and_reuses_routing_within_groups(groups):
+# G groups (WideNet Fig. 3) of 12 / G layers; G = 12 routes in every layer, G = 1 only once
+@pytest.mark.parametrize("groups,routed_layers", [
+    (12, range(12)), (None, range(12)), (4, [0, 3, 6, 9]), (3, [0, 4, 8]), (2, [0, 6]), (1, [0])])
+def test_stack_shares_one_block_and_reuses_routing_within_groups(groups, routed_layers):
     torch.manual_seed(0)
-    stack = make_stack(layers=4, groups=groups).train()
+    stack = make_stack(layers=12, groups=groups).train()
     x = torch.randn(5, 3, 8)
     padding_mask = torch.zeros(3, 5, dtype=torch.bool)
     padding_mask[2, 3:] = True
     torch.manual_seed(11)
     out = stack(x, padding_mask)
     calls = stack.ffns[0].pop_routing_stats()
-    assert len(calls) == 4 // groups  # one routing call (and balance term) per group
+    assert len(calls) == len(routed_layers)  # one routing call (and balance term) per group
     assert all(c.routed_tokens.item() == 13 for c in calls)
     torch.manual_seed(11)
-    expected = reference_forward(stack, x, padding_mask, groups)
+    expected = reference_forward(stack, x, padding_mask, routed_layers)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
@@ -56,8 +58,8 @@ def test_parameters_grow_only_by_layernorms_with_depth():
 
 
 def test_stack_rejects_impossible_settings():
-    with pytest.raises(ValueError, match=r"routing groups \(4\) must divide the number of "
-                                         r"encoder layers \(6\)"):
+    with pytest.raises(ValueError, match=r"the number of routing groups \(4\) must divide the "
+                                         r"number of encoder layers \(6\)"):
         make_stack(layers=6, groups=4)
     dense = FeedForward(8, 16)
     with pytest.raises(ValueError, match="routing groups need MoE FFNs"):

@@ -9,18 +9,23 @@ their size), independent of batch size, --update-freq and the number of GPUs. fp
 multiplies the returned loss as a whole (outside the criterion), so both terms are scaled alike.
 
 The logged ``loss`` stays the translation loss, comparable with dense models and with validation
-(routers record statistics in training only); ``moe_balance_loss`` is logged separately.
+(routers record statistics in training only); ``moe_balance_loss`` is logged separately. Its
+minimum is k per routing call (a uniform router with top-k: WideNet Eq. 4 counts every top-k
+selection). The logging outputs stay tensors until ``reduce_metrics``, so a micro-batch makes no
+host sync here.
 """
 import math
 from dataclasses import dataclass, field
 
 import torch
-from fairseq import metrics
+from fairseq import metrics, utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
+
+from multipath_nmt.modules.moe import pop_all_routing_stats
 
 
 @dataclass
@@ -30,12 +35,6 @@ class LabelSmoothedCrossEntropyWithMoeCriterionConfig(LabelSmoothedCrossEntropyC
         metadata={"help": "lambda: weight of the load-balance loss, summed over every routing "
                           "call of the forward pass (WideNet: 0.01)"},
     )
-
-
-def pop_all_routing_stats(model):
-    """The routing statistics every module recorded in the last forward pass (and clear them)."""
-    return [stats for module in model.modules() if hasattr(module, "pop_routing_stats")
-            for stats in module.pop_routing_stats()]
 
 
 @register_criterion("label_smoothed_cross_entropy_with_moe",
@@ -59,11 +58,12 @@ class LabelSmoothedCrossEntropyWithMoeCriterion(LabelSmoothedCrossEntropyCriteri
         load = torch.zeros(num_experts, device=balance.device)
         for s in routing_stats:
             load[: s.expert_load.numel()] += s.expert_load.detach().float()
-        logging_output["moe_balance_loss"] = balance.detach().item() * sample_size
-        logging_output["moe_dropped"] = sum(int(s.dropped_tokens) for s in routing_stats)
-        logging_output["moe_assignments"] = sum(s.top_k * int(s.routed_tokens)
-                                                for s in routing_stats)
-        for expert, kept in enumerate(load.tolist()):
+        logging_output["moe_balance_loss"] = balance.detach() * sample_size
+        logging_output["moe_dropped"] = torch.stack([s.dropped_tokens
+                                                     for s in routing_stats]).sum()
+        logging_output["moe_assignments"] = torch.stack([s.top_k * s.routed_tokens
+                                                         for s in routing_stats]).sum()
+        for expert, kept in enumerate(load.unbind()):
             logging_output[f"moe_load_{expert}"] = kept
         return loss, sample_size, logging_output
 
@@ -72,17 +72,21 @@ class LabelSmoothedCrossEntropyWithMoeCriterion(LabelSmoothedCrossEntropyCriteri
         super().reduce_metrics(logging_outputs)
         if not any("moe_assignments" in log for log in logging_outputs):
             return
-        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
-        balance = sum(log.get("moe_balance_loss", 0) for log in logging_outputs)
+
+        def total(key):  # the host reads the device here, once per update
+            return float(utils.item(sum(log.get(key, 0) for log in logging_outputs)))
+
+        sample_size = total("sample_size")
+        balance = total("moe_balance_loss")
         metrics.log_scalar("moe_balance_loss", balance / max(sample_size, 1), sample_size,
                            round=4)
-        assignments = sum(log.get("moe_assignments", 0) for log in logging_outputs)
-        dropped = sum(log.get("moe_dropped", 0) for log in logging_outputs)
+        assignments = total("moe_assignments")
+        dropped = total("moe_dropped")
         metrics.log_scalar("moe_dropped_frac", dropped / max(assignments, 1), assignments,
                            round=4)
         load = []
         while any(f"moe_load_{len(load)}" in log for log in logging_outputs):
-            load.append(sum(log.get(f"moe_load_{len(load)}", 0) for log in logging_outputs))
+            load.append(total(f"moe_load_{len(load)}"))
         kept = sum(load)
         if kept > 0:
             shares = [expert_load / kept for expert_load in load]

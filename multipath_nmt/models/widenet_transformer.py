@@ -10,6 +10,10 @@ Multi-GPU: expert weights are stored batched ([E, d, ffn]) and the router gets i
 through the gates, so every parameter has a gradient on every step even when an expert receives
 no token; shared parameters used L times accumulate their gradient before DDP's hook fires. So
 fairseq's default ``--ddp-backend pytorch_ddp`` works without ``--find-unused-parameters``.
+
+Routing statistics never outlive their training step, whatever the criterion
+(:func:`~multipath_nmt.modules.moe.release_routing_stats_every_step`), and the expert capacity
+applies at inference only with ``--moe-capacity-at-inference``.
 """
 import copy
 
@@ -23,15 +27,21 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules import MultiheadAttention
 
-from multipath_nmt.modules.moe import MoEFeedForward, check_routing_config
+from multipath_nmt.modules.moe import (
+    MoEFeedForward,
+    check_routing_config,
+    release_routing_stats_every_step,
+    set_capacity_at_inference,
+)
 from multipath_nmt.modules.widenet import FeedForward, WideNetEncoderStack
 
 
 def check_widenet_args(args):
     """Reject impossible settings when the model is built, naming the flag to fix."""
     layers = args.encoder_layers
+    groups = routing_groups(args)
     if args.no_moe:
-        if args.moe_groups != 1:
+        if args.moe_routing_groups is not None:
             raise ValueError("--moe-groups needs a router, but --no-moe uses a dense FFN")
     else:
         try:
@@ -40,11 +50,14 @@ def check_widenet_args(args):
             raise ValueError(f"WideNet: {error} (--moe-experts {args.moe_experts}, "
                              f"--moe-top-k {args.moe_top_k}, --moe-capacity-factor "
                              f"{args.moe_capacity_factor})") from None
-    if args.moe_groups < 1 or layers % args.moe_groups:
-        raise ValueError(f"--moe-groups {args.moe_groups} must divide --encoder-layers {layers}")
-    if args.no_share and args.moe_groups > 1:
-        raise ValueError("--moe-groups with --no-share would leave the routers of all but the "
-                         "first layer of each group without gradients; use one of the two")
+    if groups < 1 or layers % groups:
+        raise ValueError(f"--moe-groups {groups} must divide --encoder-layers {layers}: it is "
+                         f"the number of routing groups, each of --encoder-layers / "
+                         f"--moe-groups consecutive layers")
+    if args.no_share and groups != layers:
+        raise ValueError("--moe-groups below --encoder-layers with --no-share would leave the "
+                         "routers of all but the first layer of each group without gradients; "
+                         "use one of the two")
     if getattr(args, "encoder_layerdrop", 0) > 0:
         raise ValueError("WideNet runs its shared encoder layers as one module: "
                          "--encoder-layerdrop is not supported")
@@ -88,7 +101,8 @@ class WideNetEncoder(TransformerEncoder):
                                    args.moe_capacity_factor, activation, activation_dropout)
                     for _ in range(copies)]
         return WideNetStack(dim, layers, attentions, ffns, share_layernorm=args.share_layernorm,
-                            groups=args.moe_groups, dropout=cfg.dropout)
+                            groups=None if args.no_moe else routing_groups(args),
+                            dropout=cfg.dropout)
 
 
 @register_model("widenet_transformer")
@@ -103,10 +117,15 @@ class WideNetTransformerModel(TransformerModel):
         parser.add_argument("--moe-capacity-factor", type=float, metavar="C",
                             help="each expert keeps at most ceil(C*K*S/E) of the S tokens of a "
                                  "routing call; the rest skip it (WideNet: 1.2)")
-        parser.add_argument("--moe-groups", type=int, metavar="G",
-                            help="consecutive encoder layers in a group reuse the routing "
-                                 "decision of the group's first layer (WideNet Fig. 3); must "
-                                 "divide --encoder-layers (default 1: route in every layer)")
+        parser.add_argument("--moe-groups", type=int, metavar="G", dest="moe_routing_groups",
+                            help="number of routing groups (WideNet Fig. 3): the encoder layers "
+                                 "form G groups of --encoder-layers / G consecutive layers, each "
+                                 "routed once by its first layer; must divide --encoder-layers "
+                                 "(default: --encoder-layers, a routing call in every layer)")
+        parser.add_argument("--moe-capacity-at-inference", action="store_true",
+                            help="apply the expert capacity at inference too (validation, "
+                                 "generation); by default no token is dropped at inference, so "
+                                 "a sentence's translation does not depend on its batch")
         parser.add_argument("--share-layernorm", action="store_true",
                             help="ablation: one LayerNorm pair for all encoder layers instead "
                                  "of an individual pair per layer")
@@ -121,18 +140,34 @@ class WideNetTransformerModel(TransformerModel):
     def build_model(cls, args, task):
         _widenet_defaults(args)  # checkpoints of older versions may lack a flag
         check_widenet_args(args)
-        return super().build_model(args, task)
+        model = super().build_model(args, task)
+        release_routing_stats_every_step(model)
+        set_capacity_at_inference(model, args.moe_capacity_at_inference)
+        return model
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
         return WideNetEncoder(args, src_dict, embed_tokens)
 
 
+def routing_groups(args) -> int:
+    """The number G of routing groups. Checkpoints saved before --moe-groups counted groups
+    stored ``moe_groups``, the number of layers per group."""
+    if args.moe_routing_groups is not None:
+        return args.moe_routing_groups
+    layers_per_group = getattr(args, "moe_groups", 1)
+    if layers_per_group < 1 or args.encoder_layers % layers_per_group:
+        raise ValueError(f"this checkpoint's moe_groups {layers_per_group} (layers per routing "
+                         f"group) does not divide its {args.encoder_layers} encoder layers")
+    return args.encoder_layers // layers_per_group
+
+
 def _widenet_defaults(args):
     args.moe_experts = getattr(args, "moe_experts", 4)
     args.moe_top_k = getattr(args, "moe_top_k", 2)
     args.moe_capacity_factor = getattr(args, "moe_capacity_factor", 1.2)
-    args.moe_groups = getattr(args, "moe_groups", 1)
+    args.moe_routing_groups = getattr(args, "moe_routing_groups", None)
+    args.moe_capacity_at_inference = getattr(args, "moe_capacity_at_inference", False)
     args.share_layernorm = getattr(args, "share_layernorm", False)
     args.no_moe = getattr(args, "no_moe", False)
     args.no_share = getattr(args, "no_share", False)

@@ -27,9 +27,11 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-# Routing statistics wait here until a criterion pops them. If nobody does (a criterion without
-# MoE support), keep only the newest ones so training does not leak memory, and warn once.
+# Routing statistics wait in their router until a criterion pops them. Models built by our fairseq
+# adapters drop unconsumed ones every step (release_routing_stats_every_step); a bare module whose
+# statistics nobody pops keeps only the newest ones, so it does not leak memory, and warns once.
 MAX_PENDING_STATS = 1024
 
 
@@ -349,6 +351,49 @@ class TopKRouter(nn.Module):
     def pop_routing_stats(self) -> List[RoutingStats]:
         stats, self._pending_stats = self._pending_stats, []
         return stats
+
+
+def pop_all_routing_stats(model: nn.Module) -> List[RoutingStats]:
+    """The routing statistics every module of ``model`` recorded and nobody popped yet (and
+    clear them)."""
+    return [stats for module in model.modules() if hasattr(module, "pop_routing_stats")
+            for stats in module.pop_routing_stats()]
+
+
+def set_capacity_at_inference(model: nn.Module, enabled: bool) -> None:
+    """Whether every router of ``model`` applies its capacity in eval mode too (see
+    :class:`TopKRouter`)."""
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.capacity_at_inference = enabled
+
+
+def release_routing_stats_every_step(model: nn.Module) -> None:
+    """Make the routing statistics of ``model``'s training forwards live no longer than the step
+    that made them, whoever consumes them (a criterion pops them between forward and backward).
+
+    Each statistic holds its router's graph (about 9 MiB per routing call at 4,096 tokens,
+    d 512). What is still pending when the backward pass starts (at the gradient of the model's
+    first output) or when the next forward starts was consumed by nobody: it is dropped, with
+    one warning, because then the load-balance loss is not trained.
+    """
+    warned = []
+
+    def drop_unconsumed(*_):
+        if pop_all_routing_stats(model) and not warned:
+            warned.append(True)
+            warnings.warn("routing statistics were not consumed by the criterion, so the "
+                          "load-balance loss is not trained; use --criterion "
+                          "label_smoothed_cross_entropy_with_moe")
+
+    def drop_at_backward(module, inputs, output):
+        first = next((leaf for leaf in tree_leaves(output)
+                      if isinstance(leaf, torch.Tensor) and leaf.requires_grad), None)
+        if module.training and first is not None:
+            first.register_hook(drop_unconsumed)
+
+    model.register_forward_pre_hook(drop_unconsumed)
+    model.register_forward_hook(drop_at_backward)
 
 
 class MoEFeedForward(nn.Module):

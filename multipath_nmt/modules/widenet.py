@@ -1,8 +1,10 @@
 """WideNet encoder stack (Xue et al. 2022, "Go Wider Instead of Deeper", Sec. 3.2, Eq. 6-8).
 
 One attention and one MoE FFN shared by all L pre-norm layers, an individual pair of LayerNorms
-per layer: x' = x + Attn(LN_i^a(x)), x'' = x' + MoE(LN_i^m(x')). With ``groups`` G, the router of
-the first layer of each run of G consecutive layers decides for the whole run (Fig. 3).
+per layer: x' = x + Attn(LN_i^a(x)), x'' = x' + MoE(LN_i^m(x')). Routing groups (Fig. 3): the
+L layers form G groups of L / G consecutive layers, and the router of each group's first layer
+decides for the whole group, so there are G routing calls; G = L (the default) routes in every
+layer, as WideNet does.
 """
 from typing import Callable, List, Optional
 
@@ -35,24 +37,27 @@ class WideNetEncoderStack(nn.Module):
     need_weights=False)`` returning ``(output, weights)`` on [T, B, d] (fairseq's
     MultiheadAttention and ``torch.nn.MultiheadAttention`` both do). ``ffns``: MoEFeedForward or
     dense FFN modules. ``share_layernorm``: one LayerNorm pair for all layers (the ablation).
+    ``groups``: the number G of routing groups (None: one per layer).
     """
 
     def __init__(self, embed_dim: int, num_layers: int, attentions: List[nn.Module],
-                 ffns: List[nn.Module], share_layernorm: bool = False, groups: int = 1,
-                 dropout: float = 0.0):
+                 ffns: List[nn.Module], share_layernorm: bool = False,
+                 groups: Optional[int] = None, dropout: float = 0.0):
         super().__init__()
         for name, modules in (("attention", attentions), ("FFN", ffns)):
             if len(modules) not in (1, num_layers):
                 raise ValueError(f"give one shared {name} module or one per layer "
                                  f"({num_layers}), got {len(modules)}")
-        if groups < 1 or num_layers % groups:
-            raise ValueError(f"the routing groups ({groups}) must divide the number of encoder "
-                             f"layers ({num_layers})")
         self.is_moe = isinstance(ffns[0], MoEFeedForward)
-        if groups > 1 and not self.is_moe:
+        if groups is not None and not self.is_moe:
             raise ValueError("routing groups need MoE FFNs; a dense FFN has no router")
+        groups = num_layers if groups is None else groups
+        if groups < 1 or num_layers % groups:
+            raise ValueError(f"the number of routing groups ({groups}) must divide the number "
+                             f"of encoder layers ({num_layers})")
         self.num_layers = num_layers
         self.groups = groups
+        self.layers_per_group = num_layers // groups
         self.attentions = nn.ModuleList(attentions)
         self.ffns = nn.ModuleList(ffns)
         norms = 1 if share_layernorm else num_layers
@@ -77,7 +82,7 @@ class WideNetEncoderStack(nn.Module):
             ffn = self._pick(self.ffns, layer)
             h = self._pick(self.ffn_layer_norms, layer)(x)
             if self.is_moe:
-                if layer % self.groups == 0:
+                if layer % self.layers_per_group == 0:
                     routing = ffn.route(h, encoder_padding_mask)
                 h = ffn(h, encoder_padding_mask, routing=routing)
             else:
