@@ -194,21 +194,19 @@ class MoETransformerModel(TransformerModel):
         parser.add_argument("--ewa-layers", choices=EWA_LAYER_PATTERNS,
                             help="encoder layers whose FFN is an EWA MoE: every second layer or "
                                  "the last four, the two placements the paper tunes per model "
-                                 "(default every-2, our choice for EWA; the paper's placement "
-                                 "for early EWA)")
+                                 "(every-2: our choice for EWA, the paper's placement for early "
+                                 "EWA)")
         parser.add_argument("--ewa-experts", type=int, metavar="E",
-                            help="experts per EWA layer, at least 2 (default 4, the paper's "
+                            help="experts per EWA layer, at least 2 (4 is the paper's "
                                  "default)")
         parser.add_argument("--ewa-share-rate", type=float, metavar="B",
                             help="EWA share rate b in [0, 1]: W_i <- (1-b) W_i + b/(E-1) "
-                                 f"sum_(j!=i) W_j after each step (default "
-                                 f"{DEFAULT_EWA_SHARE_RATE}: our choice; the paper tunes it per "
-                                 f"model within 0.1-0.5)")
+                                 f"sum_(j!=i) W_j after each step ({DEFAULT_EWA_SHARE_RATE} is "
+                                 f"our choice: the paper tunes it per model within 0.1-0.5)")
         parser.add_argument("--ewa-schedule", choices=SCHEDULES,
                             help="share rate schedule: linear from 0 to --ewa-share-rate over "
-                                 "--max-update updates, or constant (default: linear, the "
-                                 "paper's for EWA; constant with --ewa-stop-at, the paper's for "
-                                 "early EWA)")
+                                 "--max-update updates (the paper's for EWA), or constant (the "
+                                 "paper's for early EWA, and the default with --ewa-stop-at)")
         parser.add_argument("--ewa-stop-at", type=float, metavar="F",
                             help="early EWA: the EWA layers become top-1 routed MoEs averaged "
                                  "only during the first fraction F of --max-update (in [0, 1]); "
@@ -220,20 +218,19 @@ class MoETransformerModel(TransformerModel):
                             help="start every EWA expert as a copy of the FFN of the same layer "
                                  "of this dense transformer checkpoint (EWA fine-tuning)")
         parser.add_argument("--parameternet-proj", choices=PROJECTIONS,
-                            help="ParameterNet: which FFN projection(s) hold M matrices (default: "
-                                 "up when routed, one projection as the paper's language models, "
-                                 "whose Table 7 is best on the up projection; both when dynamic, "
-                                 "our choice)")
+                            help="ParameterNet: which FFN projection(s) hold M matrices; when "
+                                 "not given, up in routed mode (one projection, as the paper's "
+                                 "language models; up is best in its Table 7) and both in "
+                                 "dynamic mode (our choice)")
         parser.add_argument("--parameternet-mode", choices=MODES,
                             help="ParameterNet: routed (the paper's language models: a linear "
                                  "top-1 router per token, no router noise, Switch balance loss "
                                  "via the moe criterion) or dynamic (the paper's Eqs. 3-4: "
                                  "softmax(MLP(mean-pool(x)))-weighted sum per sentence, the MLP "
-                                 "as wide as its input) (default: dynamic)")
+                                 "as wide as its input)")
         parser.add_argument("--parameternet-experts", type=int, metavar="M",
                             help="ParameterNet: matrices per chosen projection, at least 2 "
-                                 "(default 4, the paper's default; its language models use 4 "
-                                 "and 8)")
+                                 "(4 is the paper's default; its language models use 4 and 8)")
 
     @classmethod
     def build_model(cls, args, task):
