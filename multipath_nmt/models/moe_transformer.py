@@ -31,7 +31,11 @@ from torch import nn
 from multipath_nmt import ewa_training
 from multipath_nmt.models.transformer_baselines import transformer_prenorm_wmt_en_de
 from multipath_nmt.modules.ewa import SCHEDULES, EarlyEWAMoE, EWAFeedForward, EWASchedule
-from multipath_nmt.modules.moe import MoEFeedForward
+from multipath_nmt.modules.moe import (
+    MoEFeedForward,
+    release_routing_stats_every_step,
+    set_capacity_at_inference,
+)
 from multipath_nmt.modules.parameternet import MODES, PROJECTIONS, ParameterNetFeedForward
 
 logger = logging.getLogger(__name__)
@@ -65,10 +69,23 @@ def special_ffn_layers(args):
     return list(range(args.encoder_layers))
 
 
+def has_router(args):
+    """Whether the swapped FFNs route tokens (moe, early EWA, routed ParameterNet)."""
+    return (args.encoder_ffn == "moe"
+            or (args.encoder_ffn == "ewa" and args.ewa_stop_at is not None)
+            or (args.encoder_ffn == "parameternet" and args.parameternet_mode == "routed"))
+
+
 def check_args(args):
     """Fail at build time on impossible settings, with the flag to fix."""
     if args.encoder_ffn not in ENCODER_FFNS:
         raise ValueError(f"unknown --encoder-ffn {args.encoder_ffn!r}; choose one of {ENCODER_FFNS}")
+    if getattr(args, "checkpoint_activations", False) and has_router(args):
+        raise ValueError("--checkpoint-activations is not supported with routed FFNs (moe, "
+                         "early EWA, routed ParameterNet): fairseq runs the checkpointed forward "
+                         "without gradients and again in the backward pass, so the load-balance "
+                         "loss could not train the router and the routing statistics would be "
+                         "recorded twice")
     if args.encoder_ffn == "moe" and args.encoder_moe_freq < 1:
         raise ValueError(f"--encoder-moe-freq must be at least 1, got {args.encoder_moe_freq}")
     if args.encoder_ffn == "ewa":
@@ -191,6 +208,11 @@ class MoETransformerModel(TransformerModel):
         parser.add_argument("--moe-capacity-factor", type=float, metavar="C",
                             help="expert capacity ratio C of every routed layer (moe, routed "
                                  "ParameterNet, early EWA): ceil(C*k*S/E) tokens per expert")
+        parser.add_argument("--moe-capacity-at-inference", action="store_true",
+                            help="apply the expert capacity of routed layers at inference too "
+                                 "(validation, generation); by default no token is dropped at "
+                                 "inference, so a sentence's translation does not depend on its "
+                                 "batch")
         parser.add_argument("--ewa-layers", choices=EWA_LAYER_PATTERNS,
                             help="encoder layers whose FFN is an EWA MoE: every second layer or "
                                  "the last four, the two placements the paper tunes per model "
@@ -237,6 +259,8 @@ class MoETransformerModel(TransformerModel):
         moe_transformer(args)
         check_args(args)
         model = super().build_model(args, task)
+        release_routing_stats_every_step(model)
+        set_capacity_at_inference(model, args.moe_capacity_at_inference)
         if args.encoder_ffn == "ewa" and args.ewa_init_from:
             init_experts_from_dense(model, args.ewa_init_from)
             # the experts now live in this model's state: the config saved in its checkpoints
@@ -280,6 +304,7 @@ def moe_transformer(args):
     early_ewa = args.encoder_ffn == "ewa" and getattr(args, "ewa_stop_at", None) is not None
     # early EWA: the paper's capacity ratio for its 2D datasets (1.2 for 3D)
     args.moe_capacity_factor = getattr(args, "moe_capacity_factor", 1.05 if early_ewa else 1.2)
+    args.moe_capacity_at_inference = getattr(args, "moe_capacity_at_inference", False)
     args.ewa_layers = getattr(args, "ewa_layers", "every-2")
     args.ewa_experts = getattr(args, "ewa_experts", 4)
     args.ewa_share_rate = getattr(args, "ewa_share_rate", DEFAULT_EWA_SHARE_RATE)
