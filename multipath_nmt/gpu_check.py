@@ -213,11 +213,13 @@ def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=N
     the tokens, and (``count_syncs``, a ``SyncWarnings``-like context) the synchronizations."""
     scaler = getattr(trainer.optimizer, "scaler", None)  # fairseq's fp16 optimizers only
     scale = (lambda: scaler.loss_scale) if scaler is not None else (lambda: None)
-    log = dict(initial_loss_scale=scale(), losses=[], loss_scales=[], skipped=0)
+    log = dict(initial_loss_scale=scale(), losses=[], loss_scales=[], skipped=0, overflows=0)
 
     def step(index):
+        before = scale()
         output = trainer.train_step([batches[index % len(batches)]])
-        log["skipped"] += output is None
+        log["skipped"] += output is None  # an overflow, or an out-of-memory batch
+        log["overflows"] += before is not None and scale() < before
         if output is not None:
             log["losses"].append(float(output["loss"]))
         log["loss_scales"].append(scale())
@@ -230,9 +232,13 @@ def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=N
     if device == "cuda":
         trainer.cuda_env = None  # else fairseq resets the peak-memory counter at every step
         torch.cuda.reset_peak_memory_stats()
-    indices = iter(timed)
-    with syncs:
-        seconds = elapsed_seconds(lambda: step(next(indices)), len(timed), device)
+
+    def timed_steps():
+        with syncs:  # the steps only, not the clock's own synchronization
+            for index in timed:
+                step(index)
+
+    seconds = elapsed_seconds(timed_steps, 1, device)
     log.update(
         steps=steps, timed_steps=len(timed), tokens_per_s=tokens / seconds,
         losses_finite=bool(log["losses"]) and all(map(math.isfinite, log["losses"])),
@@ -351,9 +357,9 @@ def markdown_report(result):
         f"{result['data'] or 'synthetic, length-varied'}. MFU: measured training FLOPs per "
         "token x tokens/s / the best rate this device reached on the model's own matrix "
         "products (`gemm_peak_flops` in check.json).", "",
-        "| system | loss finite | loss first -> last | skipped steps | loss scale start -> "
-        "lowest -> end | sync warnings per step | peak MiB | tokens/s | vs stock | MFU | beam "
-        "fp16 = fp32 | BLEU fp16 vs fp32 |",
+        "| system | loss finite | loss first -> last | skipped steps (overflows) | loss scale "
+        "start -> lowest -> end | sync warnings per step | peak MiB | tokens/s | vs stock | MFU "
+        "| beam fp16 = fp32 | BLEU fp16 vs fp32 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in systems.items():
@@ -370,7 +376,7 @@ def markdown_report(result):
         beam = r["beam_fp16_vs_fp32"]
         lines.append(
             f"| {name} | {'yes' if r['losses_finite'] else '**no**'} | {losses} | "
-            f"{r['skipped']} of {r['steps']} | {scale} | {syncs} | {memory} | "
+            f"{r['skipped']} of {r['steps']} ({r['overflows']}) | {scale} | {syncs} | {memory} | "
             f"{r['tokens_per_s']:.0f} | {versus} | {100 * r['mfu']:.1f}% | "
             f"{100 * beam['identical']:.0f}% of "
             f"{beam['sentences']} | {beam['bleu']:.1f} |")

@@ -40,7 +40,8 @@ def test_synthetic_batches_are_padded_length_varied_fairseq_batches():
     assert len(batches) == 6
     lengths = set()
     for batch, same in zip(batches, again):
-        torch.testing.assert_close(batch["net_input"]["src_tokens"], same["net_input"]["src_tokens"])
+        torch.testing.assert_close(batch["net_input"]["src_tokens"],
+                                   same["net_input"]["src_tokens"])
         src, src_lengths = batch["net_input"]["src_tokens"], batch["net_input"]["src_lengths"]
         for tokens in (src, batch["target"]):
             assert tokens.numel() <= 256  # fairseq's max-tokens rule: sentences x longest
@@ -132,7 +133,7 @@ def test_fp16_bookkeeping_skipped_steps_halve_the_loss_scale():
     assert log["initial_loss_scale"] == 4096 and log["skipped"] >= 1
     scales = log["loss_scales"]
     assert all(later <= earlier for earlier, later in zip(scales, scales[1:]))
-    assert log["skipped"] == math.log2(4096 / scales[-1])
+    assert log["skipped"] == log["overflows"] == math.log2(4096 / scales[-1])
     assert len(log["losses"]) == 6 - log["skipped"] and log["losses_finite"]
     # only the 4 steps after the warm-up are timed and counted
     assert (log["timed_steps"], log["sync_warnings_per_step"], modes) == (4, 1.0, ["warn",
@@ -146,12 +147,13 @@ def test_fp32_training_has_no_loss_scale():
         trainer, task = tiny_trainer(data)
         batches = gpu_check.padded_batches(task, trainer.model, 256, 3, mean_length=12)
         log = gpu_check.train_and_watch(trainer, batches, steps=3, warmup_steps=1, device="cpu")
-    assert log["loss_scales"] == [None] * 3 and log["skipped"] == 0
+    assert log["loss_scales"] == [None] * 3 and log["skipped"] == log["overflows"] == 0
     assert log["sync_warnings_per_step"] is None
 
 
 def test_compare_translations():
-    same = gpu_check.compare_translations({0: [5, 6, 7, 2], 1: [8, 2]}, {1: [8, 2], 0: [5, 6, 7, 2]})
+    same = gpu_check.compare_translations({0: [5, 6, 7, 2], 1: [8, 2]},
+                                          {1: [8, 2], 0: [5, 6, 7, 2]})
     assert same == {"sentences": 2, "identical": 1.0, "bleu": pytest.approx(100.0)}
     one_off = gpu_check.compare_translations({0: [5, 6, 7, 8, 9, 2], 1: [8, 2]},
                                              {0: [5, 6, 7, 8, 4, 2], 1: [8, 2]})
@@ -175,17 +177,17 @@ def test_beam_search_against_a_float32_copy_of_the_same_weights():
 
 
 def test_report_shows_each_figure_and_failures():
-    row = dict(losses=[9.5, 8.25], losses_finite=True, skipped=2, steps=50, initial_loss_scale=128,
-               loss_scales=[64.0, 32.0, 64.0], sync_warnings_per_step=3.5, peak_memory_mib=2048.4,
-               tokens_per_s=20000.0, mfu=0.4125, beam_fp16_vs_fp32={"sentences": 256, "identical": 0.875,
-                                                        "bleu": 97.25},
+    row = dict(losses=[9.5, 8.25], losses_finite=True, skipped=2, overflows=2, steps=50,
+               initial_loss_scale=128, loss_scales=[64.0, 32.0, 64.0], sync_warnings_per_step=3.5,
+               peak_memory_mib=2048.4, tokens_per_s=20000.0, mfu=0.4125,
+               beam_fp16_vs_fp32={"sentences": 256, "identical": 0.875, "bleu": 97.25},
                sync_warning_lines={"/x/moe.py:10": 40})
     result = {"machine": "GPU X", "device": "cuda", "precision": "fp16", "size": "gpu",
               "shape": {}, "data": None,
               "systems": {gpu_check.STOCK: dict(row, tokens_per_s=25000.0),
                           "WideNet": row, "EWA": {"error": "RuntimeError: CUDA out of memory"}}}
     text = gpu_check.markdown_report(result)
-    assert ("| WideNet | yes | 9.500 -> 8.250 | 2 of 50 | 128 -> 32 -> 64 | 3.5 | 2048 | 20000 "
+    assert ("| WideNet | yes | 9.500 -> 8.250 | 2 of 50 (2) | 128 -> 32 -> 64 | 3.5 | 2048 | 20000 "
             "| 0.80x | 41.2% | 88% of 256 | 97.2 |") in text
     assert "| EWA | **failed: RuntimeError: CUDA out of memory** |" in text
     assert "- WideNet: 40 at `/x/moe.py:10`" in text
