@@ -1,5 +1,5 @@
-"""``--optimizer adam_foreach`` makes fairseq's Adam update (``--optimizer adam``) in one
-multi-tensor pass: same numbers on its own, under fairseq's fp16 wrappers, and over 100
+"""``--optimizer adam_fused`` makes fairseq's Adam update (``--optimizer adam``) with PyTorch's
+fused kernel: same numbers on its own, under fairseq's fp16 wrappers, and over 100
 ``fairseq-train`` updates."""
 import pytest
 import torch
@@ -8,7 +8,7 @@ import multipath_nmt  # noqa: F401  (registers the optimizer)
 from conftest import TRAIN_FLAGS
 from fairseq.optim.adam import Adam
 from helpers.training import assert_same_tensors, load_model_state, run, train_command
-from multipath_nmt.optim.adam_foreach import MultiTensorAdam
+from multipath_nmt.optim.adam_fused import TorchFusedAdam
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.01)
 SHAPES = [(7, 5), (5,), (3, 4, 2), (11,)]
@@ -20,7 +20,7 @@ def run_side_by_side(dtype, steps=100, skip_every=3):
     gen = torch.Generator().manual_seed(0)
     ours = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
     theirs = [p.detach().clone().requires_grad_() for p in ours]
-    optimizers = Adam(theirs, **HYPER), MultiTensorAdam(ours, **HYPER)
+    optimizers = Adam(theirs, **HYPER), TorchFusedAdam(ours, **HYPER)
     for step in range(steps):
         for index, (mine, reference) in enumerate(zip(ours, theirs)):
             if index == 3 and step % skip_every == 0:
@@ -33,11 +33,25 @@ def run_side_by_side(dtype, steps=100, skip_every=3):
     return ours, theirs, optimizers
 
 
-def test_same_update_as_fairseq_adam_in_float64():
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_same_update_as_fairseq_adam_in_float64(kernel, monkeypatch):
     """Decoupled weight decay and eps added to sqrt(v) (not to sqrt(v / (1 - b2^t)) as in
     torch.optim.Adam): in float64 the two agree to rounding, also for a tensor whose step count
-    fell behind (it is updated in its own call with its own bias corrections)."""
+    fell behind (it is updated in its own call with its own bias corrections). ``foreach`` is
+    the form used on devices without a fused kernel."""
+    from multipath_nmt.optim import adam_fused
+
+    calls, adamw = [], adam_fused.adamw
+
+    def recording_adamw(*args, **kwargs):
+        calls.append(kwargs["fused"])
+        return adamw(*args, **kwargs)
+
+    monkeypatch.setattr(adam_fused, "adamw", recording_adamw)
+    if kernel == "foreach":
+        monkeypatch.setattr(adam_fused, "_get_fused_kernels_supported_devices", lambda: [])
     ours, theirs, (reference, mine) = run_side_by_side(torch.float64)
+    assert set(calls) == {kernel == "fused"}
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-13)
     assert [mine.state[p]["step"] for p in ours] == [100, 100, 100, 66]
@@ -68,13 +82,13 @@ def test_half_precision_tensors_are_updated_in_fp32_like_fairseq_adam():
 def test_registered_with_adams_flags():
     from fairseq.optim import OPTIMIZER_REGISTRY
 
-    from multipath_nmt.optim.adam_foreach import FairseqAdamForeach
+    from multipath_nmt.optim.adam_fused import FairseqAdamFused
 
-    assert OPTIMIZER_REGISTRY["adam_foreach"] is FairseqAdamForeach
-    optimizer = build_wrapped("adam_foreach", "fp32")
+    assert OPTIMIZER_REGISTRY["adam_fused"] is FairseqAdamFused
+    optimizer = build_wrapped("adam_fused", "fp32")
     assert optimizer.optimizer_config == {"lr": 0.01, "betas": (0.9, 0.98), "eps": 1e-6,
                                           "weight_decay": 0.01}
-    assert isinstance(optimizer.optimizer, MultiTensorAdam)
+    assert isinstance(optimizer.optimizer, TorchFusedAdam)
 
 
 # --- under fairseq's wrappers -------------------------------------------------------------------
@@ -128,7 +142,7 @@ def train_tiny_model(optimizer_name, wrapper, steps=30):
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_same_parameters_as_fairseq_adam_under_fairseqs_wrappers(wrapper):
-    ours, theirs = train_tiny_model("adam_foreach", wrapper), train_tiny_model("adam", wrapper)
+    ours, theirs = train_tiny_model("adam_fused", wrapper), train_tiny_model("adam", wrapper)
     # fp32 rounding only; the fp16 model's weights can round the other way: one fp16 step
     tolerance = dict(rtol=1e-5, atol=1e-6) if wrapper == "fp32" else dict(rtol=2e-3, atol=2e-4)
     for p, q in zip(ours, theirs):
@@ -142,7 +156,7 @@ def test_100_fairseq_train_updates_match_fairseq_adam(toy_data_bin, tmp_path):
     """fp32 on the CPU, a multi-path model, decoupled weight decay and a non-default eps."""
     assert "--optimizer" in TRAIN_FLAGS  # the later --optimizer wins
     states = {}
-    for name in ("adam", "adam_foreach"):
+    for name in ("adam", "adam_fused"):
         save = tmp_path / name
         run(train_command(toy_data_bin, save, "multipath", "--optimizer", name,
                           "--weight-decay", "0.01", "--adam-eps", "1e-6", "--max-update", "100",
@@ -150,4 +164,4 @@ def test_100_fairseq_train_updates_match_fairseq_adam(toy_data_bin, tmp_path):
                           "--no-epoch-checkpoints"))
         states[name], updates = load_model_state(save / "checkpoint_last.pt")
         assert updates == 100
-    assert_same_tensors(states["adam_foreach"], states["adam"], atol=1e-5, rtol=1e-4)
+    assert_same_tensors(states["adam_fused"], states["adam"], atol=1e-5, rtol=1e-4)

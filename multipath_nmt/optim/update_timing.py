@@ -1,4 +1,4 @@
-"""Time the optimizer step alone, ``--optimizer adam`` against ``adam_foreach``, round-robin.
+"""Time the optimizer step alone, ``--optimizer adam`` against ``adam_fused``, round-robin.
 
     python -m multipath_nmt.optim.update_timing [--arch A] [--repeats R] [--steps S]
 
@@ -42,7 +42,7 @@ def time_optimizer_steps(arch, optimizers, repeats, steps, log=print):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="transformer_deep24_wmt_en_de")
-    parser.add_argument("--optimizers", nargs="+", default=["adam", "adam_foreach"])
+    parser.add_argument("--optimizers", nargs="+", default=["adam", "adam_fused"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per repeat")
     args = parser.parse_args(argv)
