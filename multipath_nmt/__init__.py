@@ -12,11 +12,12 @@ import os
 # when we are imported first (our own tools), undo that so they do not print DEBUG chatter.
 _root_logging = (logging.getLogger().level, list(logging.getLogger().handlers))
 
-from multipath_nmt import compat, distributed, numerics  # noqa: E402
+from multipath_nmt import attention, compat, distributed, numerics  # noqa: E402
 
 compat.install()
 distributed.install()
 numerics.install()
+attention.install()
 
 if not _root_logging[1]:
     logging.getLogger().handlers[:] = []

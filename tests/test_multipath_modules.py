@@ -337,3 +337,20 @@ def test_beam_search_cache_keeps_encoder_keys_per_sentence():
         torch.testing.assert_close(step_got, step_expected, **EXACT)
     assert per_hypothesis["encoder_attn"]["key"].size(0) == 2 * beams
     assert per_sentence["encoder_attn"]["key"].size(0) == 2
+
+
+def test_causal_self_attention_without_mask_equals_the_causal_mask():
+    layer = _randomize_(MultiPathDecoderLayer(D, FFN, HEADS, 3)).double().eval()
+    x, _ = _inputs(T=6)
+    encoder_out, source_padding = _inputs(T=8)
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(
+        layer(x, encoder_out, source_padding, self_attn_is_causal=True),
+        layer(x, encoder_out, source_padding, future), **EXACT)
+    with pytest.raises(ValueError, match="is_causal takes no attn_mask"):
+        layer.self_attn(x, attn_mask=future, is_causal=True)
+    with pytest.raises(ValueError, match="is_causal takes no attn_mask and a full sequence"):
+        layer(x[:1], encoder_out, source_padding, cache={"self_attn": {
+            "key": torch.zeros(3, 3 * HEADS, 2, D // HEADS, dtype=torch.float64),
+            "value": torch.zeros(3, 3 * HEADS, 2, D // HEADS, dtype=torch.float64)}},
+            self_attn_is_causal=True)

@@ -65,7 +65,15 @@ class FairseqMultiPathEncoderLayer(MultiPathEncoderLayer):
 
 @with_incremental_state
 class FairseqMultiPathDecoderLayer(MultiPathDecoderLayer):
-    """fairseq's decoder-layer interface: the layer's cache lives in ``incremental_state``."""
+    """fairseq's decoder-layer interface: the layer's cache lives in ``incremental_state``.
+
+    fairseq's decoder gives a full target sequence its causal future mask (and the key padding
+    mask if the batch has padding): the self-attention runs with ``is_causal`` and no mask
+    instead, when the padding is known to be trailing (``self_attn_padding_is_trailing``, set
+    from the task by :func:`multipath_nmt.attention.mark_decoder_self_attention`), so fused
+    attention kernels can run (see :mod:`multipath_nmt.attention` for why it is exact)."""
+
+    self_attn_padding_is_trailing = False
 
     def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None,
                 prev_self_attn_state=None, prev_attn_state=None, self_attn_mask=None,
@@ -78,8 +86,13 @@ class FairseqMultiPathDecoderLayer(MultiPathDecoderLayer):
             if cache is None:
                 cache = {}
                 self.set_incremental_state(incremental_state, "cache", cache)
+        causal = (self_attn_mask is not None and cache is None
+                  and (self_attn_padding_mask is None or self.self_attn_padding_is_trailing))
+        if causal:
+            self_attn_mask = self_attn_padding_mask = None
         x = super().forward(x, encoder_out, encoder_padding_mask, self_attn_mask=self_attn_mask,
-                            self_attn_padding_mask=self_attn_padding_mask, cache=cache)
+                            self_attn_padding_mask=self_attn_padding_mask, cache=cache,
+                            self_attn_is_causal=causal)
         # No attention weights: multi-path layers have n x heads of them and no alignment head.
         return x, None, None
 

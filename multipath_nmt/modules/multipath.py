@@ -449,13 +449,16 @@ class MultiPathDecoderLayer(nn.Module):
                 encoder_padding_mask: Optional[Tensor] = None,
                 self_attn_mask: Optional[Tensor] = None,
                 self_attn_padding_mask: Optional[Tensor] = None,
-                cache: Optional[Dict[str, Dict[str, Tensor]]] = None) -> Tensor:
+                cache: Optional[Dict[str, Dict[str, Tensor]]] = None,
+                self_attn_is_causal: bool = False) -> Tensor:
         """``x`` [T, B, d] (the new positions only when ``cache`` holds earlier steps);
-        ``cache``: a dict this layer keeps its incremental-decoding state in."""
+        ``cache``: a dict this layer keeps its incremental-decoding state in;
+        ``self_attn_is_causal``: causal self-attention without a mask tensor (see
+        :meth:`MultiPathAttention.forward`)."""
         self_cache = None if cache is None else cache.setdefault("self_attn", {})
         paths = self.self_attn(self.self_attn_layer_norm(x),
                                key_padding_mask=self_attn_padding_mask, attn_mask=self_attn_mask,
-                               cache=self_cache)
+                               cache=self_cache, is_causal=self_attn_is_causal)
         x = self.self_attn_mixer(paths, x)
         if self.encoder_attn is not None:
             cross_cache = None if cache is None else cache.setdefault("encoder_attn", {})
