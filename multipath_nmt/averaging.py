@@ -1,10 +1,12 @@
 """Checkpoint averaging with the semantics of fairseq's ``scripts/average_checkpoints.py``.
 
-Differences, all deliberate: checkpoints load through ``fairseq.checkpoint_utils`` (safe
-``weights_only`` loading on PyTorch >= 2.6 with the plug-in's allow-list), the mean of each
+Differences, all deliberate: checkpoints load through the plug-in's reader
+(:func:`multipath_nmt.checkpoints.read_checkpoint`: safe ``weights_only`` loading on PyTorch >= 2.6
+with the plug-in's allow-list, one line on a missing, damaged or foreign file), the mean of each
 floating-point tensor is accumulated in float64 and cast back to the tensor's own dtype (so it is
 the float64 mean rounded once), non-float tensors must be identical in every input, inputs of a
-different architecture, key set or shape are refused, and the output is written atomically.
+different architecture, key set or shape are refused, and the output is written atomically
+(a failed write leaves no file behind).
 Everything besides ``model`` (config, task state, ...) comes from the first input, which with
 ``--num-*-checkpoints`` is the newest one, as in fairseq.
 """
@@ -16,8 +18,7 @@ from typing import List, Optional
 import torch
 from omegaconf import OmegaConf
 
-import multipath_nmt  # noqa: F401  (installs the safe-loading allow-list)
-from fairseq import checkpoint_utils
+from multipath_nmt.checkpoints import CheckpointError, read_checkpoint, write_atomically
 
 
 class AveragingError(ValueError):
@@ -58,12 +59,10 @@ def _load(path):
     if os.path.isdir(path):
         raise AveragingError(f"{path} is a directory; pass checkpoint files, or add "
                              "--num-epoch-checkpoints N / --num-update-checkpoints N")
-    if not os.path.isfile(path):
-        raise AveragingError(f"{path}: no such checkpoint file")
     try:
-        return checkpoint_utils.load_checkpoint_to_cpu(path)
-    except Exception as err:  # truncated file, not a checkpoint, untrusted globals
-        raise AveragingError(f"{path}: cannot be loaded as a fairseq checkpoint: {err}") from err
+        return read_checkpoint(path)
+    except CheckpointError as err:  # missing, truncated, not a checkpoint, untrusted globals
+        raise AveragingError(str(err)) from err
 
 
 def average_checkpoints(inputs: List[str]) -> dict:
@@ -102,7 +101,8 @@ def average_checkpoints(inputs: List[str]) -> dict:
 
 
 def save_atomically(state: dict, output) -> None:
-    """Write ``output.tmp`` and rename it into place (fairseq's ``torch_persistent_save``)."""
+    """Write a temporary file next to ``output``, fsync it and rename it into place; a failed
+    write (full disk) removes the temporary file and raises :class:`AveragingError`."""
     output = str(output)
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
@@ -111,4 +111,7 @@ def save_atomically(state: dict, output) -> None:
         # Saved as fairseq's trainer saves it: a plain container (load_checkpoint_to_cpu turns
         # it back into a DictConfig), so the file loads under the weights_only allow-list.
         state = dict(state, cfg=OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True))
-    checkpoint_utils.torch_persistent_save(state, output)
+    try:
+        write_atomically(output, lambda out: torch.save(state, out))
+    except CheckpointError as err:
+        raise AveragingError(str(err)) from err

@@ -4,7 +4,8 @@
   pickle an ``argparse.Namespace``. We allow-list exactly that global instead of switching the
   protection off; a checkpoint that needs more fails with :class:`UntrustedCheckpointError`,
   which names the globals and the explicit way to trust them
-  (``MULTIPATH_NMT_TRUST_GLOBALS=module.Name,...`` or :func:`trust_globals`).
+  (``MULTIPATH_NMT_TRUST_GLOBALS=module.Name,...`` or :func:`trust_globals`). Reading, saving and
+  resuming (and every other way a checkpoint can fail) are in :mod:`multipath_nmt.checkpoints`.
 * Distributed resume broadcasts rank 0's loaded state (an OmegaConf config) to the other ranks
   through ``torch.load``; that in-memory payload comes from our own process group, and only the
   OmegaConf containers it holds (and fairseq's placeholders for the tensors sent separately) are
@@ -15,7 +16,7 @@
   sentences per pass. The dropped tail is given back as a final, smaller batch.
 * fairseq saves checkpoints atomically but *copies* ``checkpoint_last.pt`` (and the best/epoch
   copies) in place, so a kill during the copy leaves an unloadable file. Copies go through a
-  temporary file and ``os.replace``.
+  temporary file and ``os.replace`` (:func:`multipath_nmt.checkpoints.write_atomically`).
 * fairseq 0.12 handles ``--help`` before it adds the flags of ``--arch`` (and the task, optimizer,
   ...), so ``fairseq-train --arch A --help`` never listed the model's flags. ``--help`` now waits
   until every flag is on the parser and shows each model flag's default for that architecture.
@@ -25,22 +26,17 @@ import collections
 import functools
 import importlib
 import os
-import pickle
 import shutil
 import sys
-import tempfile
 import typing
 
 import torch
 
-TRUST_ENV = "MULTIPATH_NMT_TRUST_GLOBALS"
+from multipath_nmt import checkpoints
+from multipath_nmt.checkpoints import TRUST_ENV, UntrustedCheckpointError, write_atomically  # noqa: F401
 
 # Everything a fairseq checkpoint pickles besides tensors and builtin containers.
 CHECKPOINT_GLOBALS = [argparse.Namespace]
-
-
-class UntrustedCheckpointError(pickle.UnpicklingError):
-    """A checkpoint pickles a global that is not on the allow-list."""
 
 
 def _broadcast_globals():
@@ -69,36 +65,6 @@ def trust_globals(*objects_or_names):
     return objects
 
 
-def _untrusted_globals(path):
-    allowed = {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
-               if hasattr(g, "__qualname__")}
-    try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # not a zip checkpoint: torch's own message is the best we have
-        return []
-    return [g for g in found if g not in allowed]
-
-
-def _explain_untrusted(load):
-    @functools.wraps(load)
-    def load_checkpoint_to_cpu(path, *args, **kwargs):
-        try:
-            return load(path, *args, **kwargs)
-        except pickle.UnpicklingError as err:
-            if "Weights only load failed" not in str(err):
-                raise
-            names = _untrusted_globals(path) or ["(see the torch error above)"]
-            raise UntrustedCheckpointError(
-                f"{path} pickles globals that are not allow-listed for safe loading: "
-                f"{', '.join(names)}. If you trust this file, allow them explicitly with "
-                f"{TRUST_ENV}={','.join(names)} (or multipath_nmt.compat.trust_globals(...) in "
-                "Python); multipath_nmt only allow-lists argparse.Namespace by default."
-            ) from err
-
-    load_checkpoint_to_cpu.__multipath_nmt_patched__ = True
-    return load_checkpoint_to_cpu
-
-
 def _trusting_broadcast(broadcast):
     @functools.wraps(broadcast)
     def _broadcast_object_slow(*args, **kwargs):
@@ -113,18 +79,12 @@ def atomic_copy(src, dst, overwrite=False):
     """Copy through a temporary file in the destination folder, then rename over ``dst``."""
     if not overwrite and os.path.exists(dst):
         return False
-    folder = os.path.dirname(os.path.abspath(dst))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(dst) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+
+    def copy_into(out):
+        with open(src, "rb") as inp:
             shutil.copyfileobj(inp, out, length=16 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+
+    write_atomically(dst, copy_into)
     return True
 
 
@@ -200,8 +160,9 @@ def _help_after_model_flags(parse_args_and_arch):
 
 
 def install():
-    """Idempotent: safe checkpoint loading on PyTorch >= 2.6, no lost batches, atomic copies."""
-    from fairseq import checkpoint_utils, options
+    """Idempotent: safe checkpoint loading on PyTorch >= 2.6, no lost batches, atomic copies, and
+    the checkpoint reader, saver and resume of :func:`multipath_nmt.checkpoints.install`."""
+    from fairseq import options
     from fairseq.data import data_utils
     from fairseq.distributed import utils as distributed_utils
     from fairseq.file_io import PathManager
@@ -211,9 +172,6 @@ def install():
         trusted = os.environ.get(TRUST_ENV, "")
         if trusted.strip():
             trust_globals(*[n for n in trusted.split(",") if n.strip()])
-        if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "__multipath_nmt_patched__", False):
-            checkpoint_utils.load_checkpoint_to_cpu = _explain_untrusted(
-                checkpoint_utils.load_checkpoint_to_cpu)
         if not getattr(distributed_utils._broadcast_object_slow, "__multipath_nmt_patched__", False):
             distributed_utils._broadcast_object_slow = _trusting_broadcast(
                 distributed_utils._broadcast_object_slow)
@@ -234,3 +192,5 @@ def install():
 
         copy.__multipath_nmt_patched__ = True
         PathManager.copy = staticmethod(copy)
+
+    checkpoints.install()

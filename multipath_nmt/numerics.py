@@ -23,6 +23,8 @@ import torch
 
 from fairseq.trainer import Trainer
 
+from multipath_nmt.checkpoints import CheckpointSaveError
+
 
 class NonFiniteLossError(FloatingPointError):
     """The loss or the gradients of an update are NaN or Inf."""
@@ -60,10 +62,13 @@ def _report_update(train_step):
             if cause is None:
                 raise
             crash = os.path.join(self.cfg.checkpoint.save_dir, "crash.pt")
+            if isinstance(err, CheckpointSaveError):  # fairseq's save of crash.pt failed too
+                saved = f"Saving the model before this update failed: {err}"
+            else:
+                saved = f"The model before this update is in {crash}"
             raise NonFiniteLossError(
                 f"non-finite loss or gradients at update {update}: {str(cause).rstrip('.')}. "
-                f"The model before this update is in {crash} (a warning above may name the "
-                "first module with a NaN or Inf). Try a lower --lr, a longer --warmup-updates or "
+                f"{saved} (a warning above may name the first module with a NaN or Inf). Try a lower --lr, a longer --warmup-updates or "
                 "--clip-norm (with fp16, also fp32), then run the command again: it "
                 "resumes from checkpoint_last.pt."
             ) from cause

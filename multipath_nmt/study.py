@@ -281,8 +281,8 @@ def training_stats(log_text: str) -> Dict[str, Optional[float]]:
 
 
 def checkpoint_updates(path: Path) -> int:
-    from fairseq import checkpoint_utils
-    state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    from multipath_nmt.checkpoints import read_checkpoint
+    state = read_checkpoint(path)
     return state["optimizer_history"][-1]["num_updates"]
 
 

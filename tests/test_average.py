@@ -155,7 +155,7 @@ def test_cli_errors_leave_no_output(run_dir, tmp_path):
          "--checkpoint-upper-bound needs"),
     ]
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
-    cases.append((["--inputs", tmp_path / "garbage.pt"], "cannot be loaded as a fairseq checkpoint"))
+    cases.append((["--inputs", tmp_path / "garbage.pt"], r"garbage.pt: not a PyTorch checkpoint \(it starts with bytes 6e 6f 74"))
     for argv, message in cases:
         with pytest.raises(averaging.AveragingError, match=message):
             _average(*argv, "--output", out)

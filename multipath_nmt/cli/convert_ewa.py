@@ -13,9 +13,9 @@ import sys
 import tempfile
 
 import torch
-from fairseq import checkpoint_utils
 
 import multipath_nmt  # noqa: F401  (registers moe_transformer so its checkpoints load)
+from multipath_nmt.checkpoints import CheckpointError, read_checkpoint
 
 EWA_KEY = re.compile(r"^(encoder\.layers\.\d+\.)ffn\.(fc[12])_(weight|bias)$")
 # fp32 copies of half-precision experts (--memory-efficient-fp16 training state)
@@ -94,7 +94,7 @@ def stock_criterion_cfg(criterion_cfg):
 
 def convert_ewa_checkpoint(src, dst):
     """Write the folded stock-transformer checkpoint of EWA checkpoint ``src`` to ``dst``."""
-    state = checkpoint_utils.load_checkpoint_to_cpu(src)
+    state = read_checkpoint(src)
     model_cfg = _model_cfg(state)
     check_ewa(model_cfg, src)
     out = {
@@ -132,13 +132,11 @@ def cli_main(argv=None):
     parser.add_argument("input", help="EWA checkpoint (moe_transformer, --encoder-ffn ewa)")
     parser.add_argument("output", help="where to write the stock transformer checkpoint")
     args = parser.parse_args(argv)
-    if not os.path.isfile(args.input):
-        sys.exit(f"multipath-convert-ewa: {args.input}: no such checkpoint file")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         sys.exit(f"multipath-convert-ewa: the folder of {args.output} does not exist")
     try:
         convert_ewa_checkpoint(args.input, args.output)
-    except NotAnEWACheckpoint as err:
+    except (NotAnEWACheckpoint, CheckpointError) as err:
         sys.exit(f"multipath-convert-ewa: {err}")
     print(f"wrote {args.output}")
 

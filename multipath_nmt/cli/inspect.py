@@ -11,9 +11,8 @@ import os
 import sys
 from typing import List, Optional
 
-import multipath_nmt  # noqa: F401  (safe checkpoint loading on torch >= 2.6)
-from fairseq import checkpoint_utils
 from multipath_nmt.analysis.paths import path_weight_rows, plot_path_diversity
+from multipath_nmt.checkpoints import read_checkpoint
 
 
 def _widenet_rows(state_dict) -> List[dict]:
@@ -56,7 +55,7 @@ def inspect_checkpoint(path, plot: Optional[str] = None) -> str:
     """The report for the checkpoint at ``path``; draws |d| per layer to ``plot`` if given."""
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint file {path}")
-    state_dict = checkpoint_utils.load_checkpoint_to_cpu(str(path))["model"]
+    state_dict = read_checkpoint(path)["model"]  # a CheckpointError (ValueError) says what is wrong
     rows = path_weight_rows(state_dict)
     widenet = _widenet_rows(state_dict)
     if not rows and not widenet:

@@ -1,0 +1,372 @@
+"""Damaged, foreign and mismatched checkpoints: one true line each, and training always resumes.
+
+Every damaged file is made here from a real checkpoint of a short run: truncations at several
+points, zero bytes, random bytes, a zip archive without its data.pkl record, plain pickles, a bare
+state dict, a global outside the allow-list, an architecture nobody registered.
+"""
+import hashlib
+import io
+import os
+import pickle
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import clean_env, run_cli, run_fairseq
+from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
+
+import multipath_nmt  # noqa: F401  (installs the reader)
+from multipath_nmt import checkpoints
+from multipath_nmt.checkpoints import (DamagedCheckpointError, DictionaryMismatchError,
+                                       MissingCheckpointError, NotAFairseqCheckpointError,
+                                       NotAPytorchFileError, UnregisteredArchitectureError,
+                                       UntrustedCheckpointError, read_checkpoint)
+
+BIN = Path(sys.executable).parent
+SAVE_EVERY = 4
+RUN_UPDATES = 12
+
+
+class Foreign:
+    """A class a checkpoint has no business pickling."""
+
+
+@pytest.fixture(scope="module")
+def run_dir(toy_data_bin, tmp_path_factory):
+    """A finished baseline run: checkpoint_1_4/8/12.pt and checkpoint_last.pt (= update 12)."""
+    save = tmp_path_factory.mktemp("run") / "ckpt"
+    run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", RUN_UPDATES,
+                      "--save-interval-updates", SAVE_EVERY, "--no-epoch-checkpoints"))
+    return save
+
+
+@pytest.fixture(scope="module")
+def good(run_dir):
+    return (run_dir / "checkpoint_last.pt").read_bytes()
+
+
+def _data_pkl_end(raw):
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        first = archive.infolist()[0]
+        assert first.filename.endswith("data.pkl")
+        return archive.infolist()[1].header_offset
+
+
+def _without_data_record(raw):
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive, zipfile.ZipFile(out, "w") as stripped:
+        for info in archive.infolist():
+            if not info.filename.endswith("data.pkl"):
+                stripped.writestr(info, archive.read(info))
+    return out.getvalue()
+
+
+def _saved(obj, **kwargs):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, **kwargs)
+    return buffer.getvalue()
+
+
+def _edited(raw, edit):
+    state = torch.load(io.BytesIO(raw), weights_only=False)
+    edit(state)
+    return _saved(state)
+
+
+def _unregistered_arch(state):
+    state["cfg"]["model"]._name = state["cfg"]["model"].arch = "someone_elses_transformer"
+    state["cfg"]["common"]["user_dir"] = "/opt/their_plugin"
+
+
+# name -> (how the file is made from a good checkpoint's bytes, error class, what the line says)
+DAMAGE = {
+    "zero bytes": (lambda raw: b"", DamagedCheckpointError,
+                   r"empty file \(0 bytes\), not a checkpoint: its write was interrupted"),
+    "cut after 20 bytes": (lambda raw: raw[:20], DamagedCheckpointError,
+                           r"truncated checkpoint \(20 bytes, the end of its zip archive is missing\)"),
+    "cut inside data.pkl": (lambda raw: raw[:_data_pkl_end(raw) // 2], DamagedCheckpointError,
+                            r"truncated checkpoint \(\d+ bytes"),
+    "cut after data.pkl": (lambda raw: raw[:_data_pkl_end(raw) + 100], DamagedCheckpointError,
+                           r"truncated checkpoint"),
+    "cut in the middle": (lambda raw: raw[:len(raw) // 2], DamagedCheckpointError,
+                          r"truncated checkpoint"),
+    "last byte missing": (lambda raw: raw[:-1], DamagedCheckpointError, r"truncated checkpoint"),
+    "random bytes": (lambda raw: random.Random(0).randbytes(4096),
+                     NotAPytorchFileError, r"not a PyTorch checkpoint \(it starts with bytes [0-9a-f ]+: "
+                                           r"neither a zip archive nor a pickle\)"),
+    "zip without its data record": (_without_data_record, NotAPytorchFileError,
+                                    r"a zip archive without the data.pkl record that torch.save writes"),
+    "a plain pickle": (lambda raw: pickle.dumps({"model": {}, "cfg": {}}), NotAPytorchFileError,
+                       r"a plain Python pickle, not a PyTorch checkpoint"),
+    "a pickle of a foreign object": (lambda raw: pickle.dumps(Foreign()), NotAPytorchFileError,
+                                r"a plain Python pickle, not a PyTorch checkpoint"),
+    "legacy format, truncated": (lambda raw: _saved({"model": {}}, _use_new_zipfile_serialization=False)[:40],
+                                 DamagedCheckpointError, r"damaged or truncated checkpoint \(the file ends too early\)"),
+    "a bare state dict": (lambda raw: _saved({"encoder.embed_tokens.weight": torch.zeros(2, 2)}),
+                          NotAFairseqCheckpointError,
+                          r"a PyTorch file but not a fairseq checkpoint: no 'model' and 'cfg' entries "
+                          r"\(it holds only tensors, a bare state dict: 1 of them, e.g. encoder.embed_tokens.weight\)"),
+    "a list": (lambda raw: _saved([1, 2]), NotAFairseqCheckpointError,
+               r"a PyTorch file but not a fairseq checkpoint: it holds a list"),
+    "unregistered architecture": (lambda raw: _edited(raw, _unregistered_arch), UnregisteredArchitectureError,
+                                  r"architecture 'someone_elses_transformer' is not registered: "
+                                  r"pass --user-dir /opt/their_plugin \(the plug-in it was trained with\)"),
+    "untrusted global": (lambda raw: _edited(raw, lambda s: s["extra_state"].update(evil=Foreign())),
+                         UntrustedCheckpointError,
+                         r"pickles test_checkpoints.Foreign, which safe loading .* does not allow .* "
+                         r"allow it explicitly with MULTIPATH_NMT_TRUST_GLOBALS=test_checkpoints.Foreign"),
+}
+
+
+def _write(folder, name, raw):
+    path = Path(folder) / (name.replace(" ", "_").replace(",", "") + ".pt")
+    path.write_bytes(raw)
+    return path
+
+
+def _without_import_noise(stderr):
+    """stderr's lines but fairseq's own note, printed when it is imported, that tensorboardX is missing."""
+    return [line for line in stderr.strip().splitlines() if "pip install tensorboardX" not in line]
+
+
+def _assert_one_line(message, path):
+    assert "\n" not in message
+    assert message.startswith(f"{path}: ")
+    assert "see the torch error" not in message
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_reader_tells_each_failure_apart(name, good, tmp_path):
+    make, kind, says = DAMAGE[name]
+    path = _write(tmp_path, name, make(good))
+    with pytest.raises(kind, match=says) as err:
+        read_checkpoint(path)
+    _assert_one_line(str(err.value), path)
+    # the opt-in is offered only for a complete file that really pickles a foreign global
+    assert (checkpoints.TRUST_ENV in str(err.value)) == (kind is UntrustedCheckpointError)
+
+
+def test_missing_file_and_directory(run_dir, tmp_path):
+    with pytest.raises(MissingCheckpointError, match=r"checkpoint_9.pt: no such checkpoint file \(.*ckpt "
+                                                     r"has checkpoint_1_12.pt, checkpoint_1_4.pt"):
+        read_checkpoint(run_dir / "checkpoint_9.pt")
+    with pytest.raises(MissingCheckpointError, match="is a directory, not a checkpoint file"):
+        read_checkpoint(run_dir)
+
+
+def test_the_good_checkpoint_reads(run_dir):
+    state = read_checkpoint(run_dir / "checkpoint_last.pt")
+    assert checkpoints.saved_at(state) == (1, RUN_UPDATES)
+    peeked = checkpoints.peek_checkpoint(run_dir / "checkpoint_last.pt")
+    assert checkpoints.saved_at(peeked) == (1, RUN_UPDATES)
+    assert {k: v.shape for k, v in peeked["model"].items()} == {k: v.shape for k, v in state["model"].items()}
+
+
+TOOLS = {  # console script -> arguments after the checkpoint, the output it must not leave
+    "multipath-inspect": lambda out: [],
+    "multipath-convert-ewa": lambda out: [out],
+    "multipath-average": lambda out: ["--output", out],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+@pytest.mark.parametrize("name", ["zero bytes", "cut in the middle", "random bytes", "untrusted global"])
+def test_console_scripts_say_one_line(tool, name, good, tmp_path):
+    make, _, says = DAMAGE[name]
+    path = _write(tmp_path, name, make(good))
+    out = tmp_path / "out.pt"
+    args = ["--inputs", path] if tool == "multipath-average" else [path]
+    proc = run_cli([BIN / tool, *args, *TOOLS[tool](out)], check=False)
+    assert proc.returncode == 1
+    lines = _without_import_noise(proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{path}: " in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no output, no temp file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cut after data.pkl", "zip without its data record", "untrusted global",
+                                  "unregistered architecture"])
+def test_fairseq_generate_says_one_line(name, good, toy_data_bin, tmp_path):
+    make, _, says = DAMAGE[name]
+    path = _write(tmp_path, name, make(good))
+    proc = run_fairseq("generate", toy_data_bin, "--path", path, "--cpu", "--beam", "1", check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    assert last.startswith("generate.py: error: ") and f"{path}: " in last
+    _assert_one_line(last[len("generate.py: error: "):], path)
+
+
+@pytest.fixture(scope="module")
+def small_vocabulary_bin(toy_data_bin, tmp_path_factory):
+    """The same text with a 30-word joined dictionary instead of the toy corpus' full one."""
+    from conftest import write_toy_parallel
+
+    root = tmp_path_factory.mktemp("small_vocab")
+    text = write_toy_parallel(root / "text")
+    out = root / "data-bin"
+    run_fairseq("preprocess", "--source-lang", "en", "--target-lang", "de", "--trainpref", text / "train",
+                "--validpref", text / "valid", "--testpref", text / "test", "--destdir", out,
+                "--joined-dictionary", "--nwordssrc", "30", "--workers", "1", user_dir=False)
+    return out
+
+
+def _dictionary_sizes(data_bin):
+    with open(Path(data_bin) / "dict.en.txt") as f:
+        return 4 + sum(1 for _ in f)  # fairseq adds <s>, <pad>, </s>, <unk>
+
+
+@pytest.mark.slow
+def test_mismatched_dictionary_generate_and_resume(run_dir, toy_data_bin, small_vocabulary_bin, tmp_path):
+    rows, entries = _dictionary_sizes(toy_data_bin), _dictionary_sizes(small_vocabulary_bin)
+    assert rows != entries
+    checkpoint = run_dir / "checkpoint_last.pt"
+    says = (f"{checkpoint}: its source embedding has {rows} rows but the source dictionary "
+            f"{small_vocabulary_bin / 'dict.en.txt'} has {entries} entries: use the data-bin")
+    generate = run_fairseq("generate", small_vocabulary_bin, "--path", checkpoint, "--cpu", check=False)
+    assert generate.returncode == 1 and "Traceback" not in generate.stderr
+    assert generate.stderr.strip().splitlines()[-1] == f"generate.py: error: {says} (and dictionaries) " \
+                                                       "the model was trained on"
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(run_dir, save)
+    command = train_command(small_vocabulary_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 20)
+    proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(says.replace(str(checkpoint), str(save / "checkpoint_last.pt"))
+                                                         + " (and dictionaries) the model was trained on")
+
+
+def _digest(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_resume_sets_a_damaged_checkpoint_last_aside(run_dir, good, toy_data_bin, tmp_path):
+    """checkpoint_last.pt (update 12) cut after its data.pkl, checkpoint_1_12.pt zero bytes: the
+    run resumes from checkpoint_1_8.pt, says that updates 9 to 12 are trained again, keeps both
+    damaged files, and ends exactly where an uninterrupted run ends."""
+    save = tmp_path / "killed"
+    shutil.copytree(run_dir, save)
+    damaged = good[:_data_pkl_end(good) + 100]
+    (save / "checkpoint_last.pt").write_bytes(damaged)
+    (save / "checkpoint_1_12.pt").write_bytes(b"")
+    flags = [*SMALL_BATCHES, "--max-update", 16, "--save-interval-updates", SAVE_EVERY, "--no-epoch-checkpoints"]
+    output = run(train_command(toy_data_bin, save, "baseline", *flags))
+    assert (f"{save / 'checkpoint_last.pt'}: truncated checkpoint ({len(damaged)} bytes, the end of its zip "
+            f"archive is missing): its write was interrupted (killed, or the disk was full); use an "
+            f"earlier checkpoint. Set aside as {save / 'checkpoint_last.pt.damaged'}; resumed from "
+            f"{save / 'checkpoint_1_8.pt'} (epoch 1 @ 8 updates): 4 updates (9 to 12) are trained again") in output
+    assert f"skipping {save / 'checkpoint_1_12.pt'}: empty file (0 bytes)" in output
+    assert (save / "checkpoint_last.pt.damaged").read_bytes() == damaged  # set aside, not deleted
+
+    reference = tmp_path / "uninterrupted"
+    run(train_command(toy_data_bin, reference, "baseline", *flags))
+    expected, expected_updates = load_model_state(reference / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(save / "checkpoint_last.pt")
+    assert actual_updates == expected_updates == 16
+    assert_same_tensors(actual, expected)
+
+
+@pytest.mark.slow
+def test_resume_with_nothing_readable_starts_over(run_dir, toy_data_bin, tmp_path):
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "checkpoint_last.pt").write_bytes(b"\x00" * 100)
+    output = run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 2))
+    assert (f"{save / 'checkpoint_last.pt'}: not a PyTorch checkpoint (it starts with bytes 00 00 00 00 "
+            f"00 00 00 00: neither a zip archive nor a pickle). Set aside as "
+            f"{save / 'checkpoint_last.pt.damaged'}; no other checkpoint in {save} can be read, so training "
+            "starts again from update 0") in output
+    assert load_model_state(save / "checkpoint_last.pt")[1] == 2
+
+
+def _file_size_limit(limit):
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit raises EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return limit_file_size
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_save(run_dir, toy_data_bin, tmp_path):
+    """The resumed run's first save hits a file-size limit below a checkpoint's size (what a full
+    disk does to the write): the partial file is gone, every earlier checkpoint is unchanged and
+    loads, and the run stops with one line."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(run_dir, save)
+    before = {p.name: _digest(p) for p in save.iterdir()}
+    limit = os.path.getsize(save / "checkpoint_last.pt") // 2
+    command = train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 20,
+                            "--save-interval-updates", SAVE_EVERY, "--no-epoch-checkpoints")
+    proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300,
+                          preexec_fn=_file_size_limit(limit))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {save / 'checkpoint_1_16.pt'}: could not be written (File too large, errno 27); "
+        "the partial file was removed and the checkpoints saved before are unchanged. Free disk space (or "
+        "keep fewer checkpoints: --keep-last-epochs, --keep-interval-updates) or raise the file-size limit "
+        "(ulimit -f) and run the same command again")
+    assert {p.name: _digest(p) for p in save.iterdir()} == before
+    for name in before:
+        read_checkpoint(save / name)
+
+
+def test_save_atomically_failure_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save({"old": 1}, path)
+    old = path.read_bytes()
+
+    def full_disk(obj, f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.torch, "save", full_disk)
+    with pytest.raises(checkpoints.CheckpointSaveError,
+                       match=r"checkpoint_last.pt: could not be written \(No space left on device, errno 28\); "
+                             r"the partial file was removed .* Free disk space \(or keep fewer checkpoints: "
+                             r"--keep-last-epochs, --keep-interval-updates\) and run the same command again"):
+        checkpoints.save_atomically({"new": 1}, path)
+    assert path.read_bytes() == old
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]
+
+
+def test_save_atomically_keeps_the_usual_permissions(tmp_path):
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    checkpoints.save_atomically({"x": 1}, tmp_path / "saved.pt")
+    assert os.stat(tmp_path / "saved.pt").st_mode == os.stat(plain).st_mode
+
+
+def test_batches_of_a_later_epoch_are_those_of_epoch_1(toy_data_bin):
+    """fairseq builds a reusable iterator's batches once, with --seed + the epoch it is created
+    in; an uninterrupted run creates it in epoch 1. A resumed run creating it in epoch 3 now gets
+    the same batches (and stock fairseq's differ, so the check has teeth)."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [str(toy_data_bin), "--arch", "transformer"])
+    task_cfg = convert_namespace_to_omegaconf(args).task
+
+    def batches(epoch, get_batch_iterator):
+        task = tasks.setup_task(task_cfg)
+        task.load_dataset("train")
+        iterator = get_batch_iterator(task, task.dataset("train"), max_sentences=8, seed=1, epoch=epoch)
+        assert iterator.epoch == epoch
+        return [list(b) for b in iterator.frozen_batches]
+
+    patched = FairseqTask.get_batch_iterator
+    stock = patched.__wrapped__
+    assert batches(3, patched) == batches(1, patched) == batches(1, stock)
+    assert batches(3, stock) != batches(1, stock)
