@@ -4,7 +4,11 @@ import torch
 from conftest import TINY_MODEL, USER_DIR
 from torch import nn
 
-from multipath_nmt.analysis.widenet import layernorm_divergence, plot_layernorm_divergence
+from multipath_nmt.analysis.widenet import (
+    block_divergence,
+    layernorm_divergence,
+    plot_layernorm_divergence,
+)
 from multipath_nmt.modules.moe import MoEFeedForward
 from multipath_nmt.modules.widenet import FeedForward, WideNetEncoderStack
 
@@ -137,6 +141,7 @@ def test_every_parameter_gets_a_gradient_even_for_idle_experts(toy_data_bin):
 
 
 def test_layernorm_divergence_hand_example(tmp_path):
+    """Eq. 9 per block: y_j = 1/(M^2 N) sum_i sum_m sum_(n != j) |v_ij - v_mn|."""
     prefix = "encoder.layers.0"
     state = {}
     gammas = [torch.tensor([1.0, 1.0]), torch.tensor([3.0, 1.0]), torch.tensor([2.0, 4.0])]
@@ -146,17 +151,57 @@ def test_layernorm_divergence_hand_example(tmp_path):
             state[f"{prefix}.{position}_layer_norms.{layer}.bias"] = torch.zeros(2)
     state["encoder.embed_tokens.weight"] = torch.ones(3, 2)
     rows = layernorm_divergence(state)
-    # mean gamma = [2, 2]; squared distances 2, 2, 4 over 2 dimensions -> sqrt(1), 1, sqrt(2)
+    # M = 2, N = 3, so each block's sum is divided by M^2 N = 12:
+    # block 0 [1, 1] vs {3, 1, 2, 4}: (2+0+1+3) + (2+0+1+3) = 12 -> 1
+    # block 1 [3, 1] vs {1, 1, 2, 4}: (2+2+1+1) + (0+0+1+3) = 10 -> 5/6
+    # block 2 [2, 4] vs {1, 1, 3, 1}: (1+1+1+1) + (3+3+1+3) = 14 -> 7/6
     assert [row["layer"] for row in rows] == [0, 1, 2]
-    assert [row["ffn_gamma"] for row in rows] == pytest.approx([1.0, 1.0, 2 ** 0.5])
-    assert [row["attention_gamma"] for row in rows] == pytest.approx([1.0, 1.0, 2 ** 0.5])
+    assert [row["ffn_gamma"] for row in rows] == pytest.approx([1.0, 5 / 6, 7 / 6])
+    assert [row["attention_gamma"] for row in rows] == pytest.approx([1.0, 5 / 6, 7 / 6])
     assert [row["ffn_beta"] for row in rows] == [0.0, 0.0, 0.0]
     assert rows[0]["stack"] == prefix
+    # Eq. 9 as printed, y_i = 1/(M N^2) sum_j sum_m sum_n [j != n] |v_ij - v_mn|:
+    # y_0 = (6 + 6 + 4) / 18, y_1 = (6 + 4 + 10) / 18; their mean is the mean over blocks
+    assert sum(row["ffn_gamma"] for row in rows) / 3 == pytest.approx((16 / 18 + 20 / 18) / 2)
 
     plot = tmp_path / "divergence.png"
     plot_layernorm_divergence(rows, plot)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["divergence.png"]
 
-    with pytest.raises(ValueError, match="no WideNet per-layer LayerNorms"):
-        layernorm_divergence({"encoder.layers.0.self_attn_layer_norm.weight": torch.ones(2)})
+    with pytest.raises(ValueError, match="no per-layer encoder LayerNorms"):
+        layernorm_divergence({"decoder.layers.0.final_layer_norm.weight": torch.ones(2)})
+
+
+def test_block_divergence_matches_the_sum_written_out():
+    torch.manual_seed(3)
+    vectors = torch.randn(5, 7, dtype=torch.float64)
+    N, M = vectors.shape
+    expected = [sum(abs(float(vectors[j, i] - vectors[n, m])) for i in range(M)
+                    for n in range(N) if n != j for m in range(M)) / (M * M * N)
+                for j in range(N)]
+    assert block_divergence(vectors).tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_layernorm_divergence_of_fairseq_pre_norm_transformers(toy_data_bin):
+    """The baseline side of the paper's Figs. 4-5: a pre-norm Transformer's LayerNorm before
+    the FFN is final_layer_norm; a post-norm one is refused (it follows the FFN)."""
+    from fairseq import options, tasks
+
+    def state_dict(arch):
+        args = options.parse_args_and_arch(options.get_training_parser(), [
+            str(toy_data_bin), "--arch", arch, *TINY_MODEL, "--share-all-embeddings", "--cpu",
+            "--user-dir", str(USER_DIR)])
+        return tasks.setup_task(args).build_model(args).state_dict()
+
+    state = state_dict("transformer_prenorm_wmt_en_de")
+    with torch.no_grad():
+        state["encoder.layers.1.final_layer_norm.weight"].fill_(3.0)  # block 0 keeps 1s
+    rows = layernorm_divergence(state)
+    assert [(row["stack"], row["layer"]) for row in rows] == [("encoder.layers", 0),
+                                                                ("encoder.layers", 1)]
+    # N = 2: each element is |1 - 3| = 2 from all M elements of the other block: 2 M^2 / (2 M^2)
+    assert [row["ffn_gamma"] for row in rows] == pytest.approx([1.0, 1.0])
+    assert [row["attention_gamma"] for row in rows] == [0.0, 0.0]  # untrained: all ones
+    with pytest.raises(ValueError, match="a post-norm encoder"):
+        layernorm_divergence(state_dict("transformer"))

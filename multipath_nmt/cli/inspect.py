@@ -2,7 +2,8 @@
 
 Prints, per layer and sublayer, the path weights alpha, the residual weight beta and the path
 diversity |d| (Lin et al., 2022, Fig. 7; see :mod:`multipath_nmt.analysis.paths`), and for
-WideNet checkpoints the divergence of the per-layer LayerNorms.
+WideNet and pre-norm Transformer checkpoints the divergence of the encoder blocks' LayerNorms
+(WideNet Eq. 9 per block; see :mod:`multipath_nmt.analysis.widenet`).
 """
 import argparse
 import importlib.util
@@ -23,7 +24,7 @@ def _widenet_rows(state_dict) -> List[dict]:
 
     try:
         return layernorm_divergence(state_dict)
-    except ValueError:  # no WideNet layers in this checkpoint
+    except ValueError:  # no per-layer encoder LayerNorms, or post-norm ones
         return []
 
 
@@ -59,8 +60,9 @@ def inspect_checkpoint(path, plot: Optional[str] = None) -> str:
     rows = path_weight_rows(state_dict)
     widenet = _widenet_rows(state_dict)
     if not rows and not widenet:
-        raise ValueError(f"{path} has no multi-path sublayers (…_mixer.path_weights) or WideNet "
-                         "layers; inspect a multipath_transformer or widenet checkpoint")
+        raise ValueError(f"{path} has no multi-path sublayers (…_mixer.path_weights) or pre-norm "
+                         "encoder LayerNorms; inspect a multipath_transformer, widenet or "
+                         "pre-norm transformer checkpoint")
     if plot and not rows:
         raise ValueError("--plot draws path diversity, which this checkpoint does not have")
     report = []
@@ -70,7 +72,10 @@ def inspect_checkpoint(path, plot: Optional[str] = None) -> str:
         if plot:
             plot_path_diversity(rows, plot)
     if widenet:
-        report.append("WideNet per-layer LayerNorm divergence\n\n" + format_generic_rows(widenet))
+        report.append("LayerNorm divergence per encoder block (WideNet Eq. 9 for each block: "
+                      "mean |difference| of its elements to all elements of the other blocks; "
+                      "ffn = the LayerNorm before the FFN/MoE)\n\n"
+                      + format_generic_rows(widenet))
     return "\n".join(report)
 
 
