@@ -66,7 +66,9 @@ class _NormalizedSum(torch.autograd.Function):
     Computed in the dtype of ``scales`` (fp32 for half-precision paths): each feature is upcast
     on its own, forward and backward, so only the paths in their own dtype are saved for
     backward (an fp32 copy of fp16 paths, and of the cheap features, would double or triple
-    what the sublayer keeps); S is summed again in backward. One LayerNorm kernel per feature
+    what the sublayer keeps); the cheap features of half-precision paths are formed again in
+    backward, those of full-precision paths are saved (no larger than before, and faster).
+    One LayerNorm kernel per feature
     forward and backward (the weight folds PathNorm's gamma and the path weight alpha
     together), the sum accumulated in place, and the gradient of the paths assembled in one
     [n, N, d] buffer as dP_i = dH_i - dC_i + sum_j dC_j. Autograd over the same ops made extra
@@ -75,39 +77,46 @@ class _NormalizedSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def _features(paths, dtype, eps, cheap_features):
-        """(feature in ``dtype``, its eps) for every feature, one at a time."""
+    def _features(paths, others, dtype, eps, cheap_features):
+        """(feature in ``dtype``, its eps) for every feature, one at a time; the cheap features
+        are ``others`` or, if None, formed here."""
         n = paths.size(0)
         for path in paths:
             yield path.to(dtype), eps
         if cheap_features:
-            total = paths.sum(0, dtype=dtype)
-            for path in paths:
-                yield total - path.to(dtype), eps * (n - 1) ** 2
+            if others is None:
+                total = paths.sum(0, dtype=dtype)
+                others = (total - path.to(dtype) for path in paths)
+            for other in others:
+                yield other, eps * (n - 1) ** 2
 
     @staticmethod
     def forward(ctx, paths, scales, bias, eps, cheap_features):
         dim = paths.size(-1)
         mixed, means, rstds = None, [], []
-        features = _NormalizedSum._features(paths, scales.dtype, eps, cheap_features)
+        others = None
+        if cheap_features and paths.dtype == scales.dtype:
+            others = sums_of_others(paths)
+        features = _NormalizedSum._features(paths, others, scales.dtype, eps, cheap_features)
         for (feature, feature_eps), scale in zip(features, scales):
             out, mean, rstd = torch.native_layer_norm(feature, (dim,), scale, None, feature_eps)
             mixed = out if mixed is None else mixed.add_(out)
             means.append(mean)
             rstds.append(rstd)
         ctx.eps, ctx.cheap_features = eps, cheap_features
-        ctx.save_for_backward(paths, scales, torch.stack(means), torch.stack(rstds))
+        ctx.save_for_backward(paths, others, scales, torch.stack(means), torch.stack(rstds))
         return mixed.add_(bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        paths, scales, means, rstds = ctx.saved_tensors
+        paths, others, scales, means, rstds = ctx.saved_tensors
         n, dim = paths.size(0), paths.size(-1)
         grad = grad.contiguous()
         mask = [True, ctx.needs_input_grad[1], False]
         grad_features, grad_scales = [], []
-        features = _NormalizedSum._features(paths, scales.dtype, ctx.eps, ctx.cheap_features)
+        features = _NormalizedSum._features(paths, others, scales.dtype, ctx.eps,
+                                            ctx.cheap_features)
         for (feature, _), scale, mean, rstd in zip(features, scales, means, rstds):
             grad_feature, grad_scale, _ = torch.ops.aten.native_layer_norm_backward(
                 grad, feature, (dim,), mean, rstd, scale, None, mask)
