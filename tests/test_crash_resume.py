@@ -5,7 +5,10 @@ update count (``set_num_updates``), and seeds every update with ``seed + num_upd
 modules keep any update-dependent state in parameters, buffers or ``set_num_updates`` (the EWA
 schedule) and draw their randomness (router noise, EWA token groups) from that seeded RNG. So on
 CPU, single-threaded, a killed-and-resumed run ends bit-exactly where an uninterrupted run ends.
-The guarantee holds inside an epoch; docs/troubleshooting.md explains why not across epoch ends.
+Across epoch ends too: fairseq builds the batches once, with --seed + the epoch the iterator is
+created in, so a run resumed in epoch 2 used to build other batches than the uninterrupted run
+(which keeps those of epoch 1); the plug-in builds them as in epoch 1
+(multipath_nmt/checkpoints.py).
 """
 import os
 import random
@@ -19,6 +22,7 @@ import torch
 
 from helpers.training import (MODELS, SMALL_BATCHES, assert_same_tensors, load_model_state, run,
                               run_until_killed, train_command)
+from multipath_nmt.checkpoints import read_checkpoint, saved_at
 
 MAX_UPDATE = 14
 SAVE_EVERY = 4
@@ -47,6 +51,36 @@ def test_sigkill_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_
     expected, expected_updates = load_model_state(tmp_path / "uninterrupted" / "checkpoint_last.pt")
     actual, actual_updates = load_model_state(tmp_path / "killed" / "checkpoint_last.pt")
     assert actual_updates == expected_updates == MAX_UPDATE
+    assert_same_tensors(actual, expected)
+
+
+# The toy corpus makes 38 batches of SMALL_BATCHES per epoch: epoch 2 runs from update 39 to 76.
+EPOCH_1_UPDATES = 38
+LATER_MAX_UPDATE = 56
+LATER_FLAGS = [*SMALL_BATCHES, "--max-update", LATER_MAX_UPDATE, "--save-interval-updates", SAVE_EVERY,
+               "--no-epoch-checkpoints"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_sigkill_in_epoch_2_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_path):
+    kill_at = random.Random(model).randint(EPOCH_1_UPDATES + 6, LATER_MAX_UPDATE - 6)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run, train_command(toy_data_bin, tmp_path / "uninterrupted",
+                                                   model, *LATER_FLAGS))
+        command = train_command(toy_data_bin, tmp_path / "killed", model, *LATER_FLAGS)
+        run_until_killed(command, kill_at)
+        epoch, updates = saved_at(read_checkpoint(tmp_path / "killed" / "checkpoint_last.pt"))
+        assert epoch == 2 and EPOCH_1_UPDATES < updates < LATER_MAX_UPDATE  # killed in epoch 2
+
+        resumed = run(command)
+        reference.result()
+    assert f"(epoch 2 @ {updates} updates)" in resumed
+    assert "creating new batches for epoch 1" in resumed  # not fairseq's "for epoch 2"
+
+    expected, expected_updates = load_model_state(tmp_path / "uninterrupted" / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(tmp_path / "killed" / "checkpoint_last.pt")
+    assert actual_updates == expected_updates == LATER_MAX_UPDATE
     assert_same_tensors(actual, expected)
 
 
