@@ -160,10 +160,10 @@ class MultiPathTransformerModel(TransformerModel):
                                  f"got {getattr(args, flag)}")
         if getattr(args, "fp16", False) and args.path_weights == "learnable":
             logger.warning(
-                "multi-path model with --fp16: the gradients of the path and residual weights "
-                "(alpha, beta) sum over every token and channel and overflow fp16 at a loss "
-                "scale several times below the rest of the model's; --amp keeps them in fp32 "
-                "(docs/fidelity.md, 'Architecture and GPU-scale numerics')")
+                "training a multi-path model with --fp16: the gradients of the path and "
+                "residual weights (alpha, beta) sum over every token and channel and overflow "
+                "fp16 at a loss scale several times below the rest of the model's; --amp keeps "
+                "them in fp32 (docs/fidelity.md, 'Architecture and GPU-scale numerics')")
         return super().build_model(args, task)
 
     def set_beam_size(self, beam_size):
