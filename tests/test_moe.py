@@ -5,7 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from multipath_nmt.modules.moe import MoEFeedForward, TopKRouter, expert_capacity
+from multipath_nmt.modules.moe import (
+    MoEFeedForward,
+    TopKRouter,
+    expert_capacity,
+    expert_capacity_on_device,
+)
 
 
 def identity_router(num_experts, k, capacity_factor, noise=False):
@@ -26,6 +31,8 @@ def identity_router(num_experts, k, capacity_factor, noise=False):
 ])
 def test_capacity_arithmetic(factor, k, tokens, experts, expected):
     assert expert_capacity(factor, k, tokens, experts) == expected
+    # the same integer arithmetic on a device tensor (the per-call limit: no host sync)
+    assert expert_capacity_on_device(factor, k, torch.tensor(tokens), experts).item() == expected
 
 
 def test_first_choices_beat_second_choices_then_token_order():
@@ -76,6 +83,52 @@ def test_balance_loss_hand_example_ignores_padding():
     # a perfectly uniform router gives the minimum, 1
     uniform = identity_router(2, 1, 1.0)(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert uniform.stats.balance_loss.item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("capacity_factor", [2.0, 0.5])  # m_i is counted before capacity
+def test_balance_loss_counts_every_top_k_selection(capacity_factor):
+    """WideNet Eq. 4 at K = 2: m_i is the fraction of tokens with expert i among their top 2."""
+    probs = torch.tensor([[0.5, 0.3, 0.2],   # t0: experts 0, 1
+                          [0.2, 0.5, 0.3],   # t1: experts 1, 2
+                          [0.6, 0.3, 0.1],   # t2: experts 0, 1
+                          [0.1, 0.1, 0.8]])  # padding
+    valid = torch.tensor([True, True, True, False])
+    routing = identity_router(3, 2, capacity_factor)(probs.log(), valid)
+    # m = [2/3, 3/3, 1/3] (sums to K = 2); P = [1.3, 1.1, 0.6] / 3 over the 3 real tokens
+    expected = 3 * (2 / 3 * 1.3 / 3 + 1 * 1.1 / 3 + 1 / 3 * 0.6 / 3)  # 6.5 / 3
+    assert routing.stats.balance_loss.item() == pytest.approx(expected, rel=1e-6)
+    assert expected != pytest.approx(3 * (2 / 3 * 1.3 / 3 + 1 / 3 * 1.1 / 3))  # first choices
+    # a uniform router reaches the minimum, K
+    uniform = identity_router(2, 2, 1.0)(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert uniform.stats.balance_loss.item() == pytest.approx(2.0)
+
+
+def test_no_capacity_at_inference_unless_asked():
+    """capacity_at_inference=False: in eval mode no assignment is dropped, so every token's
+    output is its output alone; training and capacity_at_inference=True still drop."""
+    torch.manual_seed(6)
+    moe = MoEFeedForward(8, 16, num_experts=4, k=2, capacity_factor=0.3).eval()
+    x = torch.randn(12, 8)
+    assert moe.route(x).stats.dropped_tokens.item() > 0  # module default: as in training
+    moe.router.capacity_at_inference = False
+    routing = moe.route(x)
+    assert routing.stats.dropped_tokens.item() == 0 and routing.capacity == 12
+    together = moe(x)
+    alone = torch.cat([moe(x[i:i + 1]) for i in range(12)])
+    torch.testing.assert_close(together, alone)
+    assert moe.train().route(x).stats.dropped_tokens.item() > 0
+
+
+def test_capacity_buffer_comes_from_shapes_and_the_limit_from_real_tokens():
+    """10 positions, 4 real tokens, E = 2, k = 1, C = 1: the buffer has ceil(10 / 2) = 5 slots
+    per expert (no host read), each expert keeps at most ceil(4 / 2) = 2 tokens."""
+    logits = torch.tensor([[1.0, 0.0]] * 10)  # everyone prefers expert 0
+    valid = torch.tensor([True] * 4 + [False] * 6)
+    routing = identity_router(2, 1, 1.0)(logits, valid)
+    assert routing.capacity == 5
+    assert routing.assignment_index.tolist() == [0, 1]
+    assert routing.stats.dropped_tokens.item() == 2
+    assert routing.stats.expert_load.tolist() == [2.0, 0.0]
 
 
 def test_padding_is_never_routed_and_does_not_change_real_tokens():

@@ -50,7 +50,10 @@ def test_balance_term_is_lambda_times_sample_size_times_summed_losses(toy_data_b
     assert sample_size == plain_size == sample["ntokens"]
     torch.testing.assert_close(loss, plain_loss + 0.5 * sample_size * balance)
     assert log["loss"] == plain_loss.data  # the logged loss stays the translation loss
-    assert log["moe_balance_loss"] == pytest.approx(balance.item() * sample_size)
+    # logging outputs stay tensors (no host sync per micro-batch) until reduce_metrics
+    assert all(torch.is_tensor(log[key]) for key in ("moe_balance_loss", "moe_dropped",
+                                                      "moe_assignments", "moe_load_0"))
+    assert log["moe_balance_loss"].item() == pytest.approx(balance.item() * sample_size)
     source_tokens = int(sample["net_input"]["src_lengths"].sum())
     assert log["moe_assignments"] == 2 * 2 * source_tokens  # 2 calls x top-2, no padding
     kept = sum(log[f"moe_load_{e}"] for e in range(4))
@@ -118,7 +121,8 @@ def test_widenet_trains_resumes_bit_exactly_and_decodes(toy_data_bin, tmp_path):
     updates = logged_updates(straight)
     assert sorted(updates) == [1, 2, 3, 4]
     for logged in updates.values():
-        assert float(logged["moe_balance_loss"]) > 1.9  # two routing calls, each >= ~1
+        # two routing calls, each at least K = 2 (Eq. 4 counts both selections of a token)
+        assert float(logged["moe_balance_loss"]) > 3.9
         assert 0 <= float(logged["moe_dropped_frac"]) < 1
         assert 0 < float(logged["moe_load_entropy"]) <= 1.3863  # ln 4
         assert {f"moe_load_{e}" for e in range(4)} <= logged.keys()
@@ -143,10 +147,10 @@ def test_widenet_trains_resumes_bit_exactly_and_decodes(toy_data_bin, tmp_path):
 @pytest.mark.slow
 def test_widenet_trains_with_memory_efficient_fp16(toy_data_bin, tmp_path):
     output = train(toy_data_bin, tmp_path / "fp16", 2, "--memory-efficient-fp16",
-                   "--moe-groups", "2")
+                   "--moe-groups", "1")
     updates = logged_updates(output)
     assert 2 in updates
     for logged in updates.values():
         balance = float(logged["moe_balance_loss"])
-        assert 0.9 < balance < 2  # one routing call: --moe-groups 2 over 2 layers
+        assert 1.9 < balance < 4  # one routing call (one group over 2 layers), at least K = 2
         assert float(logged["loss"]) < 20

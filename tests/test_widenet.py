@@ -109,6 +109,36 @@ def test_fairseq_model_sharing_and_ablations(toy_data_bin):
     assert widenet.decoder.cfg.decoder.normalize_before  # pre-norm decoder
 
 
+def routing_calls(model):
+    model.train()
+    model(src_tokens=torch.randint(4, 20, (2, 6)), src_lengths=torch.tensor([6, 6]),
+          prev_output_tokens=torch.randint(4, 20, (2, 5)))
+    return len([s for m in model.modules() if isinstance(m, MoEFeedForward)
+                for s in m.pop_routing_stats()])
+
+
+@pytest.mark.parametrize("flags,calls", [([], 4), (["--moe-groups", "4"], 4),
+                                         (["--moe-groups", "2"], 2), (["--moe-groups", "1"], 1)])
+def test_moe_groups_is_the_number_of_routing_groups(toy_data_bin, flags, calls):
+    """WideNet Fig. 3: G groups of D / G blocks, one routing call each; G = D (the default)
+    routes in every block."""
+    _, _, model = build_fairseq(toy_data_bin, "--encoder-layers", "4", *flags)
+    assert routing_calls(model) == calls
+
+
+def test_checkpoints_with_the_old_layers_per_group_value_keep_their_routing(toy_data_bin):
+    """Before --moe-groups counted groups, checkpoints stored moe_groups = layers per group."""
+    from multipath_nmt.models.widenet_transformer import routing_groups
+
+    args, task, _ = build_fairseq(toy_data_bin, "--encoder-layers", "4")
+    del args.moe_routing_groups
+    args.moe_groups = 4  # one routing decision for the 4 layers
+    assert routing_groups(args) == 1
+    assert routing_calls(task.build_model(args)) == 1
+    args.moe_groups = 1  # the old default: every layer routes
+    assert routing_groups(args) == 4
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--moe-experts", "2", "--moe-top-k", "3"],
      "top-k must be between 1 and the number of experts"),
@@ -116,6 +146,8 @@ def test_fairseq_model_sharing_and_ablations(toy_data_bin):
     (["--moe-experts", "0", "--moe-top-k", "1"], "number of experts must be at least 1"),
     (["--moe-groups", "3"], "--moe-groups 3 must divide --encoder-layers 2"),
     (["--no-moe", "--moe-groups", "2"], "--no-moe uses a dense FFN"),
+    (["--no-share", "--moe-groups", "1"], "--moe-groups below --encoder-layers with --no-share"),
+    (["--checkpoint-activations"], "WideNet does not support --checkpoint-activations"),
 ])
 def test_fairseq_model_rejects_impossible_flags(toy_data_bin, flags, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

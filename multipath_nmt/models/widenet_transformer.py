@@ -153,7 +153,7 @@ class WideNetTransformerModel(TransformerModel):
 def routing_groups(args) -> int:
     """The number G of routing groups. Checkpoints saved before --moe-groups counted groups
     stored ``moe_groups``, the number of layers per group."""
-    if args.moe_routing_groups is not None:
+    if getattr(args, "moe_routing_groups", None) is not None:
         return args.moe_routing_groups
     layers_per_group = getattr(args, "moe_groups", 1)
     if layers_per_group < 1 or args.encoder_layers % layers_per_group:
