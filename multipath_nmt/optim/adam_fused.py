@@ -3,10 +3,11 @@
 fairseq's ``--optimizer adam`` (without apex) updates one tensor at a time with about seven
 elementwise passes over it (moments, square root, eps, step). PyTorch's fused Adam (CPU since
 torch 2.4, CUDA) reads parameter, gradient and both moments once and writes them once, for a
-whole list of tensors per call: 2.2x faster per update on the CPU here (BENCHMARKS.md). Its
-multi-tensor ``foreach`` form, one kernel per pass over all tensors, was 1.3-2x *slower* than
-fairseq's loop on the CPU (each pass streams every parameter through memory again); it is used
-only on devices without a fused kernel.
+whole list of tensors per call: the update of the 24-layer baseline at ``multipath-bench``'s
+default size took 31 ms instead of 82 ms on one CPU thread (``python -m
+multipath_nmt.optim.update_timing``). Its multi-tensor ``foreach`` form, one kernel per pass over
+all tensors, took 106 ms, slower than fairseq's loop (each pass streams every parameter through
+memory again); it is used only on devices without a fused kernel.
 
 The update is fairseq's (``fairseq.optim.adam.Adam``: Kingma & Ba 2015, Algorithm 1, with
 Loshchilov & Hutter's decoupled weight decay, i.e. AdamW):

@@ -12,19 +12,21 @@ import argparse
 import statistics
 
 
-def time_optimizer_steps(arch, optimizers, repeats, steps, log=print):
-    """{optimizer: [seconds per step, one per repeat]} plus the number of parameter tensors."""
+def time_optimizer_steps(arch, optimizers, repeats, steps, train_step=False, log=print):
+    """{optimizer: [seconds per step, one per repeat]} plus the number of parameter tensors;
+    with ``train_step`` the whole training step (forward, backward, update) is timed."""
     from multipath_nmt import benchmark
 
     size = benchmark.SIZES["default"]
     benchmark.keep_freed_memory()
-    trainers = {}
+    trainers, batches = {}, {}
     with benchmark.fake_data_dir(size["vocab"]) as data:
         for name in optimizers:
             flags = benchmark.fairseq_flags(size, benchmark.System(name, arch))
             trainer, task = benchmark.build_trainer(data, [*flags, f"--optimizer={name}"],
                                                     "cpu", fp16=False)
-            trainer.train_step([benchmark.synthetic_batch(size, len(task.source_dictionary))])
+            batches[name] = [benchmark.synthetic_batch(size, len(task.source_dictionary))]
+            trainer.train_step(batches[name])
             trainers[name] = trainer
     tensors = sum(1 for p in trainers[optimizers[0]].model.parameters() if p.grad is not None)
     seconds = {name: [] for name in optimizers}
@@ -32,7 +34,10 @@ def time_optimizer_steps(arch, optimizers, repeats, steps, log=print):
         for name, trainer in trainers.items():
             start = benchmark.clock("cpu")
             for _ in range(steps):
-                trainer.optimizer.step()
+                if train_step:
+                    trainer.train_step(batches[name])
+                else:
+                    trainer.optimizer.step()
             seconds[name].append((benchmark.clock("cpu") - start) / steps)
         log(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
             f"{name} {1e3 * s[-1]:.1f} ms" for name, s in seconds.items()))
@@ -45,10 +50,14 @@ def main(argv=None):
     parser.add_argument("--optimizers", nargs="+", default=["adam", "adam_fused"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per repeat")
+    parser.add_argument("--train-step", action="store_true",
+                        help="time the whole training step (forward, backward, update)")
     args = parser.parse_args(argv)
-    seconds, tensors = time_optimizer_steps(args.arch, args.optimizers, args.repeats, args.steps)
+    seconds, tensors = time_optimizer_steps(args.arch, args.optimizers, args.repeats, args.steps,
+                                            args.train_step)
     first = statistics.median(seconds[args.optimizers[0]])
-    print(f"{args.arch}: {tensors} parameter tensors; optimizer step, median (min-max) over "
+    what = "training step" if args.train_step else "optimizer step"
+    print(f"{args.arch}: {tensors} parameter tensors; {what}, median (min-max) over "
           f"{args.repeats} repeats of {args.steps} steps:")
     for name, values in seconds.items():
         median = statistics.median(values)
