@@ -394,12 +394,17 @@ def test_fairseq_train_averages_after_every_update_in_half_precision(toy_data_bi
 
 
 @pytest.mark.slow
-def test_early_ewa_averages_a_routed_moe_until_the_stop_point(toy_data_bin, tmp_path):
+@pytest.mark.parametrize("flags", [
+    ["--arch", "ewa_transformer_wmt_en_de", "--ewa-schedule", "constant", "--ewa-stop-at", "0.5"],
+    # the paper's early-EWA defaults, with its balance loss
+    ["--arch", "ewa_early_transformer_wmt_en_de", "--criterion",
+     "label_smoothed_cross_entropy_with_moe"],
+], ids=["flags", "arch"])
+def test_early_ewa_averages_a_routed_moe_until_the_stop_point(toy_data_bin, tmp_path, flags):
     from fairseq import checkpoint_utils
 
-    run_fairseq("train", toy_data_bin, "--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL,
-                *TRAIN_FLAGS, "--ewa-share-rate", "0.75", "--ewa-schedule", "constant",
-                "--ewa-stop-at", "0.5", "--max-update", "4", "--save-interval-updates", "2",
+    run_fairseq("train", toy_data_bin, *TINY_MODEL, *TRAIN_FLAGS, *flags,
+                "--ewa-share-rate", "0.75", "--max-update", "4", "--save-interval-updates", "2",
                 "--save-dir", tmp_path / "ck", "--no-epoch-checkpoints")
     at_2 = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "ck" / "checkpoint_1_2.pt"))
     last = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "ck" / "checkpoint_last.pt"))
