@@ -9,6 +9,7 @@ import io
 import os
 import pickle
 import random
+import re
 import resource
 import shutil
 import signal
@@ -25,10 +26,10 @@ from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_stat
 
 import multipath_nmt  # noqa: F401  (installs the reader)
 from multipath_nmt import checkpoints
-from multipath_nmt.checkpoints import (DamagedCheckpointError, DictionaryMismatchError,
-                                       MissingCheckpointError, NotAFairseqCheckpointError,
-                                       NotAPytorchFileError, UnregisteredArchitectureError,
-                                       UntrustedCheckpointError, read_checkpoint)
+from multipath_nmt.checkpoints import (DamagedCheckpointError, MissingCheckpointError,
+                                       NotAFairseqCheckpointError, NotAPytorchFileError,
+                                       UnregisteredArchitectureError, UntrustedCheckpointError,
+                                       read_checkpoint)
 
 BIN = Path(sys.executable).parent
 SAVE_EVERY = 4
@@ -189,22 +190,27 @@ def test_console_scripts_say_one_line(tool, name, good, tmp_path):
     assert proc.returncode == 1
     lines = _without_import_noise(proc.stderr)
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"{path}: " in lines[0]
+    assert f"{path}: " in lines[0] and re.search(says, lines[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no output, no temp file
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cut after data.pkl", "zip without its data record", "untrusted global",
-                                  "unregistered architecture"])
-def test_fairseq_generate_says_one_line(name, good, toy_data_bin, tmp_path):
+@pytest.mark.parametrize("tool,name", [("generate", "cut after data.pkl"),
+                                       ("generate", "zip without its data record"),
+                                       ("generate", "untrusted global"),
+                                       ("generate", "unregistered architecture"),
+                                       ("interactive", "zero bytes")])
+def test_fairseq_generate_says_one_line(tool, name, good, toy_data_bin, tmp_path):
     make, _, says = DAMAGE[name]
     path = _write(tmp_path, name, make(good))
-    proc = run_fairseq("generate", toy_data_bin, "--path", path, "--cpu", "--beam", "1", check=False)
+    proc = run_fairseq(tool, toy_data_bin, "--path", path, "--cpu", "--beam", "1", check=False)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
-    assert last.startswith("generate.py: error: ") and f"{path}: " in last
-    _assert_one_line(last[len("generate.py: error: "):], path)
+    prefix = f"{tool}.py: error: "
+    assert last.startswith(prefix)
+    _assert_one_line(last[len(prefix):], path)
+    assert re.search(says, last)
 
 
 @pytest.fixture(scope="module")
