@@ -239,6 +239,7 @@ def micro_batch_profile(trainer, sample):
     model.zero_grad(set_to_none=True)
     pop_all_routing_stats(model)  # forget the routing statistics of this extra pass
     return {"host_syncs": syncs.total, "host_syncs_by_op": dict(syncs.by_op),
+            "host_syncs_by_site": dict(syncs.by_site),
             "saved_for_backward_mib": sum(saved.values()) / 2 ** 20}
 
 

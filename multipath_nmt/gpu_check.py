@@ -160,16 +160,26 @@ def gemm_peak_flops(shapes, device, dtype, repeats):
     return best
 
 
-def model_gemm_shapes(trainer, sample):
-    """The matrix products of one forward + backward of the trainer's model and criterion."""
+def model_gemm_shapes(trainer, sample, attention_calls=None):
+    """The matrix products of one forward + backward of the trainer's model and criterion.
+    ``attention_calls``: a dict that receives what each attention call site passes to SDPA in
+    that pass (``multipath_nmt.attention``)."""
+    from multipath_nmt.attention import attention_calls as record_attention_calls
     from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
         pop_all_routing_stats,
     )
 
     sample = trainer._prepare_sample(sample)[0]
-    with GemmShapes() as shapes:
+
+    def forward_backward():
         loss, _, _ = trainer.criterion(trainer.model, sample)
         loss.backward()
+
+    with GemmShapes() as shapes:
+        if attention_calls is None:
+            forward_backward()
+        else:
+            attention_calls.update(record_attention_calls(trainer.model, forward_backward))
     trainer.model.zero_grad(set_to_none=True)
     pop_all_routing_stats(trainer.model)
     return shapes.counts
@@ -281,14 +291,25 @@ def compare_translations(hypotheses, references):
     return {"sentences": len(ids), "identical": identical, "bleu": bleu.score}
 
 
-def compare_precisions(trainer, task, samples):
+def compare_precisions(trainer, task, samples, attention_calls=None):
     """Beam search with the trainer's model as it is (fp16 after ``--fp16``) against a float32
-    copy of the same weights."""
+    copy of the same weights. ``attention_calls``: a dict that receives, for the first model's
+    beam search, what each attention call site passes to SDPA (``multipath_nmt.attention``)."""
+    from multipath_nmt.attention import attention_calls as record_attention_calls
+
     model = trainer.model
     samples = [trainer._prepare_sample(sample)[0] for sample in samples]
     float32 = copy.deepcopy(model).float()
-    return compare_translations(translations(model, task, samples),
-                                translations(float32, task, samples))
+    hypotheses = {}
+
+    def translate():
+        hypotheses.update(translations(model, task, samples))
+
+    if attention_calls is None:
+        translate()
+    else:
+        attention_calls.update(record_attention_calls(model, translate))
+    return compare_translations(hypotheses, translations(float32, task, samples))
 
 
 def run_check(size_name="gpu", device="cuda", precision="fp16", data=None, only=None,
@@ -324,7 +345,8 @@ def check_one(size, data_dir, flags, device, from_data_bin, count_syncs):
     batches = padded_batches(task, trainer.model, size["max_tokens"], size["steps"],
                              size["mean_length"],
                              split="train" if from_data_bin else None, seed=1)
-    shapes = model_gemm_shapes(trainer, batches[0])
+    attention = {"training": {}, "inference": {}}
+    shapes = model_gemm_shapes(trainer, batches[0], attention["training"])
     dtype = next(trainer.model.parameters()).dtype
     peak, best_shape = gemm_peak_flops(shapes, device, dtype, size["gemm_repeats"])
     flops = benchmark.training_flops_per_token(trainer, batches[0])
@@ -344,11 +366,15 @@ def check_one(size, data_dir, flags, device, from_data_bin, count_syncs):
             break
         samples.append(batch)
         sentences += batch["nsentences"]
-    result["beam_fp16_vs_fp32"] = compare_precisions(trainer, task, samples)
+    result["beam_fp16_vs_fp32"] = compare_precisions(trainer, task, samples,
+                                                     attention["inference"])
+    result["attention_calls"] = attention
     return result
 
 
 def markdown_report(result):
+    from multipath_nmt.attention import format_attention_calls
+
     systems = result["systems"]
     stock = systems.get(STOCK, {}).get("tokens_per_s")
     lines = [
@@ -380,10 +406,16 @@ def markdown_report(result):
             f"{r['tokens_per_s']:.0f} | {versus} | {100 * r['mfu']:.1f}% | "
             f"{100 * beam['identical']:.0f}% of "
             f"{beam['sentences']} | {beam['bleu']:.1f} |")
-    lines += ["", "Where the synchronizations come from (top lines per system):", ""]
+    sources = [f"- {name}: {count} at `{line}`" for name, r in systems.items()
+               for line, count in (r.get("sync_warning_lines") or {}).items()]
+    if sources:
+        lines += ["", "Where the synchronizations come from (top lines per system):", "",
+                  *sources]
     for name, r in systems.items():
-        for line, count in (r.get("sync_warning_lines") or {}).items():
-            lines.append(f"- {name}: {count} at `{line}`")
+        if r.get("attention_calls"):
+            lines += ["", f"Attention call sites of {name}: the mask each passes to SDPA, on the "
+                      "first batch (training) and in beam search (inference):", "",
+                      *format_attention_calls(r["attention_calls"])]
     return "\n".join(lines) + "\n"
 
 

@@ -73,6 +73,7 @@ def test_every_system_reports_host_syncs_and_saved_bytes_of_one_micro_batch():
     for name, profile in profiles.items():
         assert isinstance(profile["host_syncs"], int) and profile["host_syncs"] >= 0, name
         assert sum(profile["host_syncs_by_op"].values()) == profile["host_syncs"], name
+        assert sum(profile["host_syncs_by_site"].values()) == profile["host_syncs"], name
     saved = {name: profile["saved_for_backward_mib"] for name, profile in profiles.items()}
     # four times the encoder layers keep more activations for the backward
     assert saved["stock deep 4L"] > 1.5 * saved["stock prenorm L"] > 0

@@ -230,4 +230,11 @@ def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
         assert row["mfu"] == pytest.approx(row["train_flops_per_token"] * row["tokens_per_s"]
                                            / row["gemm_peak_flops"])
         assert row["beam_fp16_vs_fp32"]["sentences"] >= TINY["beam_sentences"]
-    assert f"| {gpu_check.STOCK} | yes |" in (tmp_path / "check.md").read_text()
+        # every attention call site, in training and in beam search (flash: None on the CPU)
+        training, inference = (row["attention_calls"][phase] for phase in ("training",
+                                                                           "inference"))
+        assert any("decoder" in site for site in training) and training.keys() == inference.keys()
+    report = (tmp_path / "check.md").read_text()
+    assert f"| {gpu_check.STOCK} | yes |" in report
+    assert f"Attention call sites of {gpu_check.STOCK}: " in report
+    assert "| call site | phase | mask passed to SDPA | fused kernels it allows |" in report
