@@ -48,6 +48,7 @@ TRUST_ENV = "MULTIPATH_NMT_TRUST_GLOBALS"
 _LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
 _ZIP_LOCAL_HEADER = b"PK\x03\x04"
 _INTERRUPTED = "its write was interrupted (killed, or the disk was full)"
+_DAMAGED = "an interrupted write or copy, or a failing disk"
 
 
 class CheckpointError(ValueError):
@@ -108,7 +109,7 @@ def check_file(path):
                                            "; use an earlier checkpoint")
     with open(path, "rb") as f:
         head = f.read(64)
-    if head.startswith(_ZIP_LOCAL_HEADER):
+    if head.startswith(_ZIP_LOCAL_HEADER) or zipfile.is_zipfile(path):
         try:
             with zipfile.ZipFile(path) as archive:
                 names = archive.namelist()
@@ -193,16 +194,16 @@ def _explain_failure(path, err):
                       "weights_only=True) does not allow and a fairseq checkpoint does not need. If "
                       f"you trust this file, allow it explicitly with {TRUST_ENV}={','.join(names)} "
                       "(or multipath_nmt.compat.trust_globals(...) in Python)")
-        detail = re.search(r"WeightsUnpickler error: (.+)", str(err))
+        detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
         reason = detail.group(1).strip().rstrip(".") if detail else _torch_reason(err)
         return DamagedCheckpointError(path, f"damaged or truncated checkpoint (its pickled data "
-                                            f"cannot be read: {reason}): {_INTERRUPTED}; use an "
+                                            f"cannot be read: {reason}): {_DAMAGED}; use an "
                                             "earlier checkpoint")
     try:  # did fairseq fail on the file, or on what the file holds?
         raw = torch.load(path, map_location="cpu")
     except Exception as raw_err:
         return DamagedCheckpointError(path, f"damaged or truncated checkpoint "
-                                            f"({_torch_reason(raw_err)}): {_INTERRUPTED}; use an "
+                                            f"({_torch_reason(raw_err)}): {_DAMAGED}; use an "
                                             "earlier checkpoint")
     problem = _not_fairseq(raw)
     if problem:

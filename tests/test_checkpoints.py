@@ -70,6 +70,13 @@ def _without_data_record(raw):
     return out.getvalue()
 
 
+def _tensor_header_zeroed(raw):
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        record = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    start = record.header_offset
+    return raw[:start] + bytes(30) + raw[start + 30:]
+
+
 def _saved(obj, **kwargs):
     buffer = io.BytesIO()
     torch.save(obj, buffer, **kwargs)
@@ -100,6 +107,12 @@ DAMAGE = {
     "cut in the middle": (lambda raw: raw[:len(raw) // 2], DamagedCheckpointError,
                           r"truncated checkpoint"),
     "last byte missing": (lambda raw: raw[:-1], DamagedCheckpointError, r"truncated checkpoint"),
+    "first record's header zeroed": (lambda raw: bytes(30) + raw[30:], DamagedCheckpointError,
+                                     r"damaged or truncated checkpoint \(its pickled data cannot be read: "
+                                     r"Unsupported operand 0\): an interrupted write or copy, or a failing disk"),
+    "a tensor record's header zeroed": (_tensor_header_zeroed, DamagedCheckpointError,
+                                        r"damaged or truncated checkpoint \(PytorchStreamReader failed "
+                                        r"reading file data/0: invalid header or archive is corrupted\)"),
     "random bytes": (lambda raw: random.Random(0).randbytes(4096),
                      NotAPytorchFileError, r"not a PyTorch checkpoint \(it starts with bytes [0-9a-f ]+: "
                                            r"neither a zip archive nor a pickle\)"),
