@@ -28,7 +28,7 @@ def test_dynamic_mixing_equals_explicit_per_sentence_sum():
     for b in range(3):
         real = x[~padding[b], b]  # [t, d]
         alpha = torch.softmax(layer.coefficients(real.mean(0)), -1)
-        weight = sum(alpha[i] * layer.weight[i] for i in range(3))
+        weight = sum(alpha[i] * layer.expert_weight(i) for i in range(3))
         bias = sum(alpha[i] * layer.bias[i] for i in range(3))
         assert torch.allclose(out[:, b], x[:, b] @ weight + bias, atol=1e-5)
 
@@ -46,8 +46,9 @@ def test_padding_does_not_change_the_pooled_vector():
 def _autograd_reference(layer, x, padding):
     """The former DynamicLinear.forward: every sentence's W' built and kept by autograd."""
     alpha = layer.mixing_weights(x, padding).to(x.dtype)
-    num_experts, in_features, out_features = layer.weight.shape
-    weight = (alpha @ layer.weight.view(num_experts, -1)).view(-1, in_features, out_features)
+    in_features, num_experts, out_features = layer.weight.shape
+    stacked = layer.weight.transpose(0, 1).reshape(num_experts, -1)  # [M, in * out]
+    weight = (alpha @ stacked).view(-1, in_features, out_features)
     bias = alpha @ layer.bias
     return torch.baddbmm(bias.unsqueeze(1), x.transpose(0, 1), weight).transpose(0, 1)
 
@@ -71,7 +72,8 @@ def test_dynamic_linear_equals_the_autograd_formulation_in_float64():
 
 def test_mixed_projection_passes_gradcheck():
     torch.manual_seed(0)
-    inputs = (torch.randn(3, 4, 5), torch.softmax(torch.randn(3, 2), -1), torch.randn(2, 5, 6),
+    # 7 tokens of 5 features, 2 matrices of 5 x 6, per-token coefficients
+    inputs = (torch.randn(7, 5), torch.softmax(torch.randn(7, 2), -1), torch.randn(5, 2, 6),
               torch.randn(2, 6))
     inputs = tuple(t.double().requires_grad_() for t in inputs)
     assert torch.autograd.gradcheck(_MixedProjection.apply, inputs)
@@ -124,7 +126,7 @@ def test_dynamic_ffn_saves_at_most_twice_a_dense_ffn(length):
             hidden = F.relu(_autograd_reference(ffn.fc1, x, padding))
             return _autograd_reference(ffn.fc2, hidden, padding)
 
-    assert _saved_bytes(Former(), x, None) > 10 * dense  # what rebuilding W' in backward saves
+    assert _saved_bytes(Former(), x, None) > 10 * dense  # what autograd kept of every W'
 
 
 def test_half_precision_follows_float32_where_a_sum_over_time_overflows_fp16():
@@ -224,10 +226,10 @@ def test_active_parameter_accounting():
 def test_dynamic_ffn_matches_dense_ffn_when_experts_are_equal():
     ffn = ParameterNetFeedForward(8, 16, 3, proj="down", mode="dynamic")
     with torch.no_grad():
-        ffn.fc2.weight.copy_(ffn.fc2.weight[:1].expand_as(ffn.fc2.weight))
+        ffn.fc2.weight.copy_(ffn.fc2.weight[:, :1].expand_as(ffn.fc2.weight))
         ffn.fc2.bias.copy_(ffn.fc2.bias[:1].expand_as(ffn.fc2.bias))
     x, padding = _batch()
-    dense = F.linear(F.relu(ffn.fc1(x)), ffn.fc2.weight[0].t(), ffn.fc2.bias[0])
+    dense = F.linear(F.relu(ffn.fc1(x)), ffn.fc2.expert_weight(0).t(), ffn.fc2.bias[0])
     assert torch.allclose(ffn(x, padding), dense, atol=1e-5)
 
 
@@ -272,7 +274,7 @@ def test_fairseq_train(toy_data_bin, tmp_path, arch, flags):
         assert "encoder.layers.0.ffn.fc2.weight" in keys and keys[
             "encoder.layers.0.ffn.fc2.weight"].dim() == 2
     else:
-        assert keys["encoder.layers.1.ffn.fc2.weight"].shape == (4, 64, 32)  # [M, in, out]
+        assert keys["encoder.layers.1.ffn.fc2.weight"].shape == (64, 4, 32)  # [in, M, out]
     if "dynamic" not in flags:
         assert "moe_balance" in log or "balance" in log
 

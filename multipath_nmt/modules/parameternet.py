@@ -7,7 +7,8 @@ A chosen projection (fc1 "up", fc2 "down" or both) holds M weight matrices W_1..
   W' = sum_i alpha_i W_i with alpha = softmax(MLP(mean-pool(x))) (pooling over non-padding tokens;
   the MLP's hidden width is the input width, as the paper's parameter count C_in^2 + C_in M has
   it), then one ordinary projection with W': about M times the parameters at nearly the same
-  FLOPs. W' is rebuilt in backward instead of being kept (:class:`_MixedProjection`).
+  FLOPs in the paper's convolutions. Here every x W_i comes out of one large product and is
+  weighted per token (:class:`_MixedProjection`), with no per-sentence W' to build or keep.
 - routed (Sec. 4.3, the language models): a top-1 routed mixture (Switch-style, no router noise):
   each token's projection uses the matrix its router picks, scaled by the router probability,
   with the MoE layer's capacity and balance loss; tokens over capacity are dropped and the whole
@@ -38,42 +39,46 @@ def masked_mean(x, padding_mask):
     return (total / keep.sum(0).clamp(min=1)).to(x.dtype)
 
 
-def _mixed_weights(alpha, weight):
-    """W'_b = sum_i alpha_bi W_i for every sentence b: [B, M] x [M, in, out] -> [B, in, out]."""
-    num_experts, in_features, out_features = weight.shape
-    return (alpha @ weight.view(num_experts, -1)).view(-1, in_features, out_features)
+def _expert_outputs(x, weight):
+    """x W_i for every token and matrix, as one product: [N, in] @ [in, M * out] -> [N, M, out]."""
+    in_features, num_experts, out_features = weight.shape
+    return (x @ weight.view(in_features, -1)).view(-1, num_experts, out_features)
 
 
 class _MixedProjection(torch.autograd.Function):
-    """y_b = x_b W'_b + b'_b with (W'_b, b'_b) = sum_i alpha_bi (W_i, b_i), for x [B, T, in].
+    """y_t = sum_i alpha_ti (x_t W_i + b_i) for tokens x [N, in], alpha [N, M] their sentence's
+    coefficients, weight [in, M, out]: the same as x_t W' + b' with W' = sum_i alpha_i W_i,
+    without building a W' per sentence.
 
-    Autograd would keep every sentence's W' (B * in * out values per layer, 30 times a dense
-    FFN's saved activations at 28 tokens a sentence); this keeps only x and alpha and rebuilds
-    W' in backward (one [B, M] @ [M, in * out] product more, the FLOPs stay the dense
-    projection's plus O(B * M * in * out)). Gradients, with G_b = x_b^T dy_b [in, out]:
-    dx_b = dy_b W'_b^T, d alpha_bi = <G_b, W_i> + <sum_t dy_bt, b_i>,
-    dW_i = sum_b alpha_bi G_b, db_i = sum_b alpha_bi sum_t dy_bt (sums over time in fp32).
+    Autograd over per-sentence W' kept B * in * out values per layer for backward (30 times a
+    dense FFN's saved activations at 28 tokens a sentence); this keeps x and alpha only and
+    recomputes the [N, M, out] products in backward. Gradients, with z_ti = x_t W_i:
+    d alpha_ti = <dy_t, z_ti + b_i>, dx_t = sum_i alpha_ti dy_t W_i^T, dW_i = sum_t x_t^T alpha_ti
+    dy_t, db_i = sum_t alpha_ti dy_t (each sum over tokens one matrix product).
     """
 
     @staticmethod
     def forward(ctx, x, alpha, weight, bias):
         ctx.save_for_backward(x, alpha, weight, bias)
-        return torch.baddbmm((alpha @ bias).unsqueeze(1), x, _mixed_weights(alpha, weight))
+        mixed = torch.bmm(alpha.unsqueeze(1), _expert_outputs(x, weight)).squeeze(1)
+        return mixed.addmm_(alpha, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, alpha, weight, bias = ctx.saved_tensors
         grad_x = grad_alpha = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.bmm(grad, _mixed_weights(alpha, weight).transpose(1, 2))
-        if any(ctx.needs_input_grad[1:]):
-            num_experts = weight.shape[0]
-            grad_sum = grad.sum(1, dtype=torch.promote_types(grad.dtype, torch.float32)).to(
-                grad.dtype)  # [B, out]
-            grad_mixed = torch.bmm(x.transpose(1, 2), grad).view(x.shape[0], -1)  # [B, in*out]
-            grad_alpha = grad_mixed @ weight.view(num_experts, -1).t() + grad_sum @ bias.t()
-            grad_weight = (alpha.t() @ grad_mixed).view_as(weight)
-            grad_bias = alpha.t() @ grad_sum
+        if ctx.needs_input_grad[1]:
+            outputs = _expert_outputs(x, weight)
+            grad_alpha = torch.bmm(outputs, grad.unsqueeze(2)).squeeze(2).addmm_(grad, bias.t())
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            # the gradient of every x_t W_i: alpha_ti dy_t, [N, M * out]
+            spread = (alpha.unsqueeze(2) * grad.unsqueeze(1)).view(grad.shape[0], -1)
+            if ctx.needs_input_grad[0]:
+                grad_x = spread @ weight.view(weight.shape[0], -1).t()
+            if ctx.needs_input_grad[2]:
+                grad_weight = (x.t() @ spread).view_as(weight)
+        if ctx.needs_input_grad[3]:
+            grad_bias = alpha.t() @ grad
         return grad_x, grad_alpha, grad_weight, grad_bias
 
 
@@ -82,39 +87,49 @@ class DynamicLinear(nn.Module):
     per sentence (ParameterNet Eqs. 3-4; the MLP is DynamicConv's pool -> FC -> ReLU -> FC, its
     hidden width ``in_features`` by default, as the paper's count of C_in^2 + C_in M parameters).
 
-    ``weight`` is [M, in, out] (x @ W_i, the transpose of nn.Linear's layout), so that every
-    sentence's W' comes out of one [B, M] @ [M, in * out] matmul in the layout its batched
-    product reads, and so do the gradients.
+    ``weight`` is [in, M, out] (x @ W_i, the transpose of nn.Linear's layout, matrices side by
+    side), so that x @ weight.view(in, M * out) gives every x W_i in one product
+    (:class:`_MixedProjection`): M times a dense projection's multiply-adds, where building each
+    sentence's W' costs B * M * in * out and moves B * in * out values, which on the CPU took
+    longer at 10 to 28 tokens a sentence.
     All M matrices form every sentence's W' and get gradient from every token, so none of them
-    is inactive (no ``inactive_parameter_count``): the saving is in FLOPs, not in parameters.
+    is inactive (no ``inactive_parameter_count``).
     """
 
     def __init__(self, in_features, out_features, num_experts, hidden_features=None):
         super().__init__()
         self.num_experts = num_experts
-        self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(in_features, num_experts, out_features))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features))
         hidden = in_features if hidden_features is None else hidden_features
         self.coefficients = nn.Sequential(
             nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_experts))
         init_experts_like_linear_(self.weight, self.bias, in_features)
 
+    def expert_weight(self, index):
+        """W_i [in, out]."""
+        return self.weight[:, index]
+
     def mixing_weights(self, x, padding_mask):
-        """alpha [B, M], computed in fp32."""
-        return torch.softmax(self.coefficients(masked_mean(x, padding_mask)).float(), dim=-1)
+        """alpha [B, M], computed in fp32 (or x's dtype if wider)."""
+        logits = self.coefficients(masked_mean(x, padding_mask))
+        return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
     def forward(self, x, padding_mask=None):
-        """x [T, B, in] -> [T, B, out] (a transposed view of a [B, T, out] result)."""
+        """x [T, B, in] -> [T, B, out]."""
         alpha = self.mixing_weights(x, padding_mask)
+        length, batch, in_features = x.shape
+        # every token's coefficients, expanded in fp32: their gradient sums over the sentence
+        alpha = alpha.unsqueeze(0).expand(length, batch, -1).reshape(-1, self.num_experts)
         device = x.device.type
-        # the product runs in the dtype autocast would pick (x's own without autocast), with
+        # the products run in the dtype autocast would pick (x's own without autocast), with
         # autocast off inside: backward then sees the dtypes forward used
         dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else x.dtype)
         with torch.autocast(device, enabled=False):
-            out = _MixedProjection.apply(x.transpose(0, 1).to(dtype), alpha.to(dtype),
+            out = _MixedProjection.apply(x.reshape(-1, in_features).to(dtype), alpha.to(dtype),
                                          self.weight.to(dtype), self.bias.to(dtype))
-        return out.transpose(0, 1)
+        return out.view(length, batch, -1)
 
 
 class RoutedLinear(nn.Module):
