@@ -1,8 +1,9 @@
 """Top-k routed mixture-of-experts FFN (WideNet, Xue et al. 2022, "Routing" and "Balanced Loading").
 
 Router: g(x) = TopK(softmax(f(x) + eps)), f linear, eps ~ N(0, 1/E^2) in training only (Eqs. 1-2).
-Capacity (the paper's buffer B = C K N L, N L the tokens of the call): each expert keeps at most
-ceil(C * k * R / E) assignments per routing call, R = its non-padding tokens. Load-balance loss
+Capacity: each expert keeps at most ceil(C * k * R / E) assignments per routing call, R = its
+non-padding tokens (the paper's buffer B = C K N L, N L the tokens of the call, divided by E as in
+the V-MoE router it follows: without 1/E no expert could ever overflow; docs/fidelity.md). Load-balance loss
 per routing call: l = E * sum_i m_i * P_i (Eq. 3), m_i the fraction of tokens that chose expert
 i among their top k (Eq. 4: every selection counts, so sum_i m_i = k), P_i the mean router
 probability of expert i (Eq. 5). Routing makes no host sync: every shape comes from the input's
@@ -255,7 +256,7 @@ class TopKRouter(nn.Module):
     Capacity: an expert keeps at most ceil(C * k * R / E) assignments of a routing call, R its
     non-padding tokens; its buffer has ceil(C * k * S / E) slots, S all token positions (padding
     included), a Python int from shapes, so routing needs no host sync (with padding the extra
-    slots stay empty). The paper's B = CKNL is this with N * L = the tokens of the call.
+    slots stay empty).
     ``capacity_at_inference=False``: in eval mode no assignment is dropped (buffer S slots per
     expert), so a token's output does not depend on the other tokens of its batch.
     """
