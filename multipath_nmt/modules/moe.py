@@ -2,12 +2,12 @@
 
 Router: g(x) = TopK(softmax(f(x) + eps)), f linear, eps ~ N(0, 1/E^2) in training only (Eqs. 1-2).
 Capacity: each expert keeps at most ceil(C * k * R / E) assignments per routing call, R = its
-non-padding tokens (the paper's buffer B = C K N L, N L the tokens of the call, divided by E as in
-the V-MoE router it follows: without 1/E no expert could ever overflow; docs/fidelity.md). Load-balance loss
-per routing call: l = E * sum_i m_i * P_i (Eq. 3), m_i the fraction of tokens that chose expert
-i among their top k (Eq. 4: every selection counts, so sum_i m_i = k), P_i the mean router
-probability of expert i (Eq. 5). Routing makes no host sync: every shape comes from the input's
-shape (see :class:`TopKRouter`), no boolean mask, no bincount.
+non-padding tokens (the paper's buffer B = C K N L, N L the tokens of the call, divided by E as
+in the V-MoE router it follows: without 1/E no expert could ever overflow; docs/fidelity.md).
+Load-balance loss per routing call: l = E * sum_i m_i * P_i (Eq. 3), m_i the fraction of tokens
+that chose expert i among their top k (Eq. 4: every selection counts, so sum_i m_i = k), P_i the
+mean router probability of expert i (Eq. 5). Routing makes no host sync: every shape comes from
+the input's shape (see :class:`TopKRouter`), no boolean mask, no bincount.
 
 Priority when an expert overflows: all first choices come before all second choices (and so on),
 and within one choice rank earlier tokens win (token order is the flattened input order; for
