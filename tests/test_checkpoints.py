@@ -298,6 +298,34 @@ def test_resume_sets_a_damaged_checkpoint_last_aside(run_dir, good, toy_data_bin
 
 
 @pytest.mark.slow
+def test_resume_when_the_damaged_file_does_not_say_its_update(run_dir, good, toy_data_bin, tmp_path):
+    save = tmp_path / "ckpt"
+    shutil.copytree(run_dir, save)
+    (save / "checkpoint_last.pt").write_bytes(good[:_data_pkl_end(good) // 2])
+    output = run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", RUN_UPDATES + 1))
+    assert (f"resumed from {save / 'checkpoint_1_12.pt'} (epoch 1 @ 12 updates): the updates after 12 are "
+            "trained again (how many is unknown: the damaged file does not say at which update it was "
+            "saved)") in output
+    assert load_model_state(save / "checkpoint_last.pt")[1] == RUN_UPDATES + 1
+
+
+@pytest.mark.slow
+def test_a_damaged_restore_file_the_user_named_stops_with_one_line(run_dir, toy_data_bin, tmp_path):
+    """Only checkpoint_last.pt is replaced by an earlier checkpoint; a file named with
+    --restore-file is what the user asked for."""
+    damaged = tmp_path / "chosen.pt"
+    damaged.write_bytes((run_dir / "checkpoint_1_8.pt").read_bytes()[:1000])
+    command = train_command(toy_data_bin, tmp_path / "ckpt", "baseline", *SMALL_BATCHES, "--max-update", 2,
+                            "--restore-file", damaged)
+    proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {damaged}: truncated checkpoint (1000 bytes, the end of its zip archive is "
+        "missing): its write was interrupted (killed, or the disk was full); use an earlier checkpoint")
+    assert damaged.stat().st_size == 1000 and not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+@pytest.mark.slow
 def test_resume_with_nothing_readable_starts_over(run_dir, toy_data_bin, tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
