@@ -325,7 +325,7 @@ class TopKRouter(nn.Module):
         )
         if self.training:
             self._record(stats)
-        # token-major numbers of the rank-major assignments: a = rank * S + token -> token * k + rank
+        # rank-major assignment a = rank * S + token is number token * k + rank token-major
         rank_major = torch.arange(k * num_tokens, device=x.device)
         token_major = (rank_major % num_tokens) * k + rank_major // num_tokens
         return Routing(
