@@ -189,7 +189,7 @@ def test_inspect_prints_widenet_rows_when_available(tmp_path, capsys, monkeypatc
                                              "attention_gamma": 0.125}])
     inspect_cli.cli_main([str(path)])
     out = capsys.readouterr().out
-    assert "WideNet per-layer LayerNorm divergence" in out
+    assert "LayerNorm divergence per encoder block" in out
     assert "| encoder | 0 | 0.1250 |" in out
 
     real_find_spec = importlib.util.find_spec
@@ -202,8 +202,8 @@ def test_inspect_prints_widenet_rows_when_available(tmp_path, capsys, monkeypatc
 def test_inspect_errors(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint file .*missing.pt"):
         inspect_cli.cli_main([str(tmp_path / "missing.pt")])
-    model = params_cli.build_model("transformer_prenorm_wmt_en_de", 100, TINY_MODEL,
-                                   device="cpu")
+    # post-norm: neither multi-path sublayers nor LayerNorms before the FFN (Eq. 9)
+    model = params_cli.build_model("transformer", 100, TINY_MODEL, device="cpu")
     path = tmp_path / "plain.pt"
     torch.save({"model": model.state_dict(), "cfg": None, "args": None,
                 "optimizer_history": [{"criterion_name": "c", "optimizer_name": "Adam",
