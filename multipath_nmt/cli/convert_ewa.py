@@ -21,11 +21,8 @@ EWA_KEY = re.compile(r"^(encoder\.layers\.\d+\.)ffn\.(fc[12])_(weight|bias)$")
 # fp32 copies of half-precision experts (--memory-efficient-fp16 training state)
 FP32_COPY_KEY = re.compile(r"^encoder\.layers\.\d+\.ffn\.fp32_experts\.")
 # cfg.model entries that only moe_transformer knows
-PLUGIN_MODEL_KEYS = ("encoder_ffn", "encoder_moe_freq", "moe_experts", "moe_top_k",
-                     "moe_capacity_factor", "ewa_layers", "ewa_experts", "ewa_share_rate",
-                     "ewa_schedule", "ewa_stop_at", "ewa_init_from", "ewa_initialized_from",
-                     "parameternet_proj",
-                     "parameternet_mode", "parameternet_experts", "user_dir")
+PLUGIN_MODEL_KEYS = ("encoder_ffn", "encoder_moe_freq", "user_dir")
+PLUGIN_MODEL_PREFIXES = ("moe_", "ewa_", "parameternet_")  # every flag of these families
 
 
 class NotAnEWACheckpoint(ValueError):
@@ -81,7 +78,8 @@ def stock_model_cfg(model_cfg):
     """The same model config under fairseq's own ``transformer`` arch, as a plain dict: unlike
     the Namespace fairseq pickles, it loads under ``torch.load(weights_only=True)`` (the default
     since PyTorch 2.6), so plain fairseq reads the file without any allow-list."""
-    stock = {k: v for k, v in vars(model_cfg).items() if k not in PLUGIN_MODEL_KEYS}
+    stock = {k: v for k, v in vars(model_cfg).items()
+             if k not in PLUGIN_MODEL_KEYS and not k.startswith(PLUGIN_MODEL_PREFIXES)}
     stock.update(arch="transformer", _name="transformer", criterion="label_smoothed_cross_entropy")
     return stock
 
