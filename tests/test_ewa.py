@@ -330,7 +330,11 @@ def test_averaging_acts_on_fp16_optimizer_master_copies(monkeypatch, flatten):
     masters = [views[p].clone() for p in model.ffn.expert_parameters()]
     assert all(m.dtype == torch.float32 for m in masters)
 
-    ewa_training.after_step(model, optimizer, num_updates=3)
+    from multipath_nmt.host_syncs import HostSyncCounter
+
+    with HostSyncCounter() as syncs:
+        ewa_training.after_step(model, optimizer, num_updates=3)
+    assert syncs.total == 0, syncs.by_op
     for param, old_master in zip(model.ffn.expert_parameters(), masters):
         expected = old_master.clone()
         average_experts_(expected, 0.3)
