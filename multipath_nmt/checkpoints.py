@@ -486,6 +486,11 @@ def _resume_from_readable(load_checkpoint):
     return load_checkpoint_or_the_newest_readable
 
 
+def _all_ranks_wait(trainer):
+    if trainer.data_parallel_world_size > 1:
+        torch.distributed.barrier()
+
+
 def _resume_from_earlier(cfg, trainer, last, damage, load_checkpoint, passthrough_args):
     try:
         _, damaged_updates = saved_at(peek_checkpoint(last) or {})
@@ -495,7 +500,11 @@ def _resume_from_earlier(cfg, trainer, last, damage, load_checkpoint, passthroug
     found = newest_readable(cfg.save_dir, suffix, exclude={last})
     first_rank = trainer.data_parallel_rank == 0
     if found is None:
+        # Every rank has seen the damaged file (and so takes this branch) before rank 0 renames
+        # it, and none loads before it is gone: all start from scratch.
+        _all_ranks_wait(trainer)
         aside = _set_aside(last) if first_rank else last + ".damaged"
+        _all_ranks_wait(trainer)
         logger.warning(f"{damage}. Set aside as {aside}; no other checkpoint in {cfg.save_dir} "
                        f"can be read, so training starts again from update 0"
                        + (f" ({damaged_updates} updates are trained again)" if damaged_updates else ""))
