@@ -1,12 +1,16 @@
 """The Multi30k En-De study (examples/multi30k): does width beat depth at equal parameters?
 
-Every system trains with one recipe for the same training-time budget (fairseq's
-``--stop-time-hours``), then the last epoch checkpoints (and the final partial epoch) are
-averaged, valid and test are translated and scored with tokenized multi-bleu and sacreBLEU.
+Every system trains with one recipe and one batch (2,048 tokens per update) for the same budget:
+the same number of updates (fairseq's ``--max-update``, the default; the validation loss is
+logged along the way and checked for a plateau) or the same training time (``--stop-time-hours``).
+Then the last epoch checkpoints (and the final partial epoch) are averaged, valid and test are
+translated and scored with tokenized multi-bleu and sacreBLEU, and every system is compared with
+the deep model, seed by seed, by sacreBLEU's paired bootstrap resampling on the test set.
 Systems: a small pre-norm base model (L = 3 encoder layers), its 2L-deep version, a dense model
-with a wider encoder FFN, three multi-path L x n forms, WideNet, EWA and ParameterNet, all but the
-base at about the parameters of the 2L model. Everything is restartable: finished stages are
-skipped. Results: ``study.md`` (table), ``study.json`` and ``study.png`` (BLEU vs parameters).
+with a wider encoder FFN, the multi-path L x n forms of the paper's ablation (Table 4), WideNet,
+EWA and ParameterNet, all but the base at about the parameters of the 2L model. Everything is
+restartable: finished stages are skipped. Results: ``study.md`` (table), ``study.json``,
+``study.png`` (BLEU vs parameters) and ``study-valid-loss.png`` (validation loss vs updates).
 """
 import argparse
 import gzip
@@ -17,11 +21,13 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from multipath_nmt.cli import positive_int
 
@@ -42,12 +48,27 @@ SHARED_MODEL = [
     "--decoder-layers", "3", "--decoder-ffn-embed-dim", "512", "--dropout", "0.1",
 ]
 # One recipe for every system (train.sh's per-family recipes are overridden): a short warmup and
-# a high learning rate because the budget allows hundreds, not 100k, updates.
+# a high learning rate because the budget allows thousands, not 100k, updates. --update-freq
+# given to train.sh replaces its batch arithmetic: 2,048 max-tokens x 1 process x 1 = 2,048 tokens
+# per update (the study runs every training on one device, see _env).
 SHARED_RECIPE = [
     "--max-tokens", "2048", "--update-freq", "1", "--lr", "0.002", "--warmup-updates", "100",
-    "--keep-last-epochs", "5", "--disable-validation", "--num-workers", "0",
+    "--keep-last-epochs", "5", "--num-workers", "0",
     "--no-progress-bar", "--log-format", "simple", "--log-interval", "50",
 ]
+# Equal updates: provisional default, about 25 Multi30k epochs of 242 updates (the deep model
+# made 996 updates, 4.1 epochs, in the 8-minute study); the plateau check of each run says
+# whether it was enough.
+DEFAULT_BUDGET_UPDATES = 6000
+# Validations per run under the updates budget (plus fairseq's one at every epoch end).
+VALIDATIONS = 25
+# The plateau criterion: the validation loss improved by at most 1% over the last 20% of training.
+PLATEAU_WINDOW = 0.2
+PLATEAU_TOLERANCE = 0.01
+# sacreBLEU's default number of bootstrap resamples, and the significance level of the marks.
+BOOTSTRAP_SAMPLES = 1000
+SIGNIFICANCE_LEVEL = 0.05
+BASELINE = "deep"
 # The paper's decoding (beam 4, lenpen 0.6, in translate.sh) with a length cap, so that an
 # undertrained model cannot spend minutes emitting 200-token hypotheses.
 DECODING = ["--batch-size", "128", "--max-len-a", "1.2", "--max-len-b", "10"]
@@ -76,11 +97,16 @@ SYSTEMS = [
            _encoder(2 * BASE_LAYERS), "deep"),
     System("wide", "Transformer, 3 layers, wider FFN", "transformer_prenorm_wmt_en_de",
            _encoder(BASE_LAYERS), "wide", match_ffn=True),
+    # The rows of the paper's ablation (Table 4), each adding one part to the row before it
     System("mp_original", "Multi-path 3x2, original (fixed 1/n, no PathNorm)",
            "multipath_transformer_wmt_en_de",
            _encoder(BASE_LAYERS) + ["--encoder-paths", "2", "--path-weights", "fixed",
                                     "--no-path-norm"], "multi-path"),
-    System("mp_pathnorm", "Multi-path 3x2 + PathNorm + learnable weights",
+    System("mp_pathnorm", "Multi-path 3x2 + PathNorm (fixed 1/sqrt(n))",
+           "multipath_transformer_wmt_en_de",
+           _encoder(BASE_LAYERS) + ["--encoder-paths", "2", "--path-weights", "fixed"],
+           "multi-path"),
+    System("mp_learnable", "Multi-path 3x2 + PathNorm + learnable weights",
            "multipath_transformer_wmt_en_de",
            _encoder(BASE_LAYERS) + ["--encoder-paths", "2", "--path-weights", "learnable"],
            "multi-path"),
@@ -88,6 +114,10 @@ SYSTEMS = [
            "multipath_transformer_wmt_en_de",
            _encoder(BASE_LAYERS) + ["--encoder-paths", "3", "--path-weights", "learnable",
                                     "--cheap-features"], "multi-path", match_ffn=True),
+    System("mp_no_pathnorm", "Multi-path 3x2, learnable weights without PathNorm",
+           "multipath_transformer_wmt_en_de",
+           _encoder(BASE_LAYERS) + ["--encoder-paths", "2", "--path-weights", "learnable",
+                                    "--no-path-norm"], "multi-path"),
     System("widenet", "WideNet, 6 shared layers, 8 experts top-2",
            "widenet_transformer_wmt_en_de",
            _encoder(2 * BASE_LAYERS) + ["--moe-experts", "8", "--moe-top-k", "2"], "MoE-style"),
@@ -99,10 +129,44 @@ SYSTEMS = [
                                     "up", "--parameternet-experts", "4"], "MoE-style"),
 ]
 SYSTEM_NAMES = [s.name for s in SYSTEMS]
+# The default systems: the base model as the small reference, the deep baseline, the wide dense
+# model and the multi-path rows of Table 4 in its order; the others run when named (--systems).
+DEFAULT_SYSTEMS = ["base", "deep", "wide", "mp_original", "mp_pathnorm", "mp_learnable",
+                   "mp_cheap"]
 
 
 class StudyError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What every system gets: ``updates`` (fairseq --max-update, the same batch for everyone, so
+    the same epochs too) or ``minutes`` of training (--stop-time-hours)."""
+    updates: Optional[int] = None
+    minutes: Optional[float] = None
+
+    @property
+    def runs_dirname(self) -> str:
+        return f"runs-{self.updates}updates" if self.updates else f"runs-{self.minutes:g}min"
+
+    def describe(self) -> str:
+        if self.updates:
+            return (f"{self.updates} updates of 2,048 tokens per system and seed (fairseq "
+                    f"--max-update), validated every {validation_interval(self.updates)} updates")
+        return f"{self.minutes:g} min of training per system and seed (fairseq --stop-time-hours)"
+
+    def training_flags(self) -> List[str]:
+        if self.updates:
+            return ["--max-update", str(self.updates),
+                    "--validate-interval-updates", str(validation_interval(self.updates))]
+        # as measured in the committed equal-time study: no validation inside the time budget
+        return ["--disable-validation", "--stop-time-hours", repr(self.minutes / 60)]
+
+
+def validation_interval(updates: int) -> int:
+    """Updates between validations: about VALIDATIONS points per curve."""
+    return max(1, updates // VALIDATIONS)
 
 
 def log(message):
@@ -173,7 +237,9 @@ def prepare(data_dir: Path, work: Path, max_train: Optional[int], max_eval: Opti
         log(f"{data_bin} already prepared")
         return data_bin
     log(f"preparing Multi30k En-De from {data_dir} (BPE {BPE_MERGES} merges) -> {data_bin}")
-    run([SCRIPTS / "prepare-corpus.sh", "--src", "en", "--tgt", "de",
+    # scripts/prepare-corpus.sh is this command (multipath-prepare corpus), which also works from
+    # an installed package
+    run([sys.executable, "-m", "multipath_nmt.cli.prepare", "corpus", "--src", "en", "--tgt", "de",
          "--train", text / SPLITS["train"], "--valid", text / SPLITS["valid"],
          "--test", text / SPLITS["test"], "--out", data_bin, "--bpe-merges", str(BPE_MERGES),
          "--workers", str(workers)], root / "prepare.log")
@@ -228,14 +294,27 @@ def resolve_flags(systems: Sequence[System], dict_size: int) -> Dict[str, List[s
 
 # ------------------------------------------------------------------------------ running
 
-def _env():
-    """The scripts run this interpreter and find its console scripts (multipath-prepare)."""
+def _env(device: str = "cpu"):
+    """The scripts run this interpreter and find its console scripts (multipath-prepare); each
+    training and decoding process uses one device: the CPU, or one GPU (the first visible one;
+    CUDA_VISIBLE_DEVICES selects it), so the batch is the study's 2,048 tokens per update on any
+    machine and train.sh/translate.sh switch to fp16 on the GPU."""
     bin_dir = os.path.dirname(sys.executable)
     return dict(os.environ, PYTHON=sys.executable,
-                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+                MULTIPATH_NMT_NUM_GPUS="1" if device == "cuda" else "0")
 
 
-def run(cmd, log_path: Path) -> float:
+def script(name: str) -> Path:
+    """A script of the source tree (scripts/train.sh, translate.sh), which a wheel does not have."""
+    path = SCRIPTS / name
+    if not path.is_file():
+        raise StudyError(f"{path} not found: the study runs the toolkit's scripts/{name}, which "
+                         "come with a source checkout (git clone, then pip install -e .)")
+    return path
+
+
+def run(cmd, log_path: Path, device: str = "cpu") -> float:
     """Run ``cmd`` with its output appended to ``log_path``; seconds taken; StudyError on failure."""
     cmd = [str(c) for c in cmd]
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +322,7 @@ def run(cmd, log_path: Path) -> float:
     with open(log_path, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(device))
     if code != 0:
         tail = "".join(open(log_path, errors="replace").readlines()[-25:])
         raise StudyError(f"{Path(cmd[0]).name} exited with {code}; last lines of {log_path}:\n"
@@ -280,6 +359,42 @@ def training_stats(log_text: str) -> Dict[str, Optional[float]]:
     }
 
 
+def validation_curve(log_text: str) -> List[Tuple[int, float]]:
+    """(updates, validation loss) from fairseq-train's validation summaries (``| valid | epoch
+    003 | valid on 'valid' subset | loss 7.1 | nll_loss 6.3 | ... | num_updates 10 | ...``). The
+    loss is ``nll_loss``: cross-entropy in bits per target token, without label smoothing and
+    without the MoE balance loss, so it compares across systems. A resumed run logs some updates
+    twice: the later line counts."""
+    points = {}
+    for line in log_text.splitlines():
+        if "| valid | " not in line:
+            continue
+        values = dict(_KEY_VALUE.findall(line.split("| valid ", 1)[1]))
+        if "nll_loss" in values and "num_updates" in values:
+            points[int(float(values["num_updates"]))] = float(values["nll_loss"])
+    return sorted(points.items())
+
+
+def plateau(curve: Sequence[Tuple[int, float]], window: float = PLATEAU_WINDOW,
+            tolerance: float = PLATEAU_TOLERANCE) -> Optional[dict]:
+    """Has the validation loss stopped improving? ``improvement`` is how much the best loss of the
+    whole run is below the best loss up to the last ``window`` of training, relative to the latter
+    ((best before - best) / best before; 0 when the loss only rose); the run has plateaued when
+    it is at most ``tolerance``. None without validations both up to and after the window start."""
+    if not curve:
+        return None
+    start = (1 - window) * curve[-1][0]
+    before = [loss for updates, loss in curve if updates <= start]
+    after = [loss for updates, loss in curve if updates > start]
+    if not before or not after:
+        return None
+    best_before = min(before)
+    best = min(best_before, min(after))
+    improvement = (best_before - best) / best_before
+    return {"window_start_update": start, "best_loss_before": best_before, "best_loss": best,
+            "improvement": improvement, "plateaued": improvement <= tolerance}
+
+
 def checkpoint_updates(path: Path) -> int:
     from multipath_nmt.checkpoints import read_checkpoint
     state = read_checkpoint(path)
@@ -314,44 +429,97 @@ def bleu_scores(generate_output: Path) -> Dict[str, object]:
             "sacrebleu_signature": signature}
 
 
+def detokenized_translations(generate_output: Path) -> Tuple[List[str], List[str]]:
+    """Hypotheses and references of a fairseq-generate output, Moses-detokenized for German:
+    the text the sacreBLEU column scores (``multipath-score --generate-output F --lang de``)."""
+    from multipath_nmt import scoring
+    hyps, refs = scoring.read_generate_output(generate_output)
+    return scoring.detokenize(hyps, "de"), scoring.detokenize(refs, "de")
+
+
+def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references: Sequence[str],
+                     samples: int = BOOTSTRAP_SAMPLES) -> dict:
+    """sacreBLEU's paired bootstrap resampling (``sacrebleu --paired-bs``, Koehn 2004, as Moses'
+    bootstrap-hypothesis-difference-significance.pl) of ``system`` against ``baseline`` on the
+    same test sentences: both BLEU scores, the difference and its p-value, which sacreBLEU
+    computes from resamples whose difference exceeds the observed one; with its default
+    SACREBLEU_SEED the result is reproducible.
+
+    ``significant`` needs p < SIGNIFICANCE_LEVEL and a nonzero difference: when both systems
+    score exactly the same, every resampled difference is 0 too and sacreBLEU's (c + 1) / (n + 1)
+    gives the smallest p-value, 1 / (n + 1), for what is no difference at all."""
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+    signatures, scores = PairedTest([("baseline", list(baseline)), ("system", list(system))],
+                                    {"BLEU": BLEU()}, [list(references)], test_type="bs",
+                                    n_samples=samples)()
+    base, other = scores["BLEU"]
+    delta = other.score - base.score
+    return {"baseline_bleu": base.score, "bleu": other.score, "delta": delta,
+            "p_value": other.p_value,
+            "significant": other.p_value < SIGNIFICANCE_LEVEL and delta != 0,
+            "signature": str(signatures["BLEU"])}
+
+
 def write_json(path: Path, value) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=2) + "\n")
     os.replace(tmp, path)
 
 
+# Steps that run inside this process (averaging, scoring, model builds) take turns when several
+# runs go at once (--parallel): the trainings and translations are the subprocesses that overlap.
+IN_PROCESS = threading.Lock()
+
+
+def _same_flags(path: Path, flags: List[str]) -> None:
+    """A finished stage of ``path``'s run folder must come from the same model flags (a system
+    whose definition changed would otherwise be read back with its old results)."""
+    if path.is_file():
+        recorded = json.loads(path.read_text()).get("flags")
+        if recorded is not None and recorded != flags:
+            raise StudyError(f"{path} was trained with other flags ({' '.join(recorded)}) than "
+                             f"this study's ({' '.join(flags)}); remove {path.parent} or use "
+                             "another --work")
+
+
 def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_dir: Path,
-               budget_minutes: float, dict_size: int, runs_root: Path) -> dict:
+               budget: Budget, dict_size: int, runs_root: Path, device: str = "cpu") -> dict:
     """Train, average, (fold EWA), translate valid and test, score; returns the result record.
     A finished run (``result.json``) is read back instead of rerun."""
     result_path = run_dir / "result.json"
+    train_done = run_dir / "train.done.json"
+    _same_flags(result_path, flags)
+    _same_flags(train_done, flags)
     if result_path.is_file():
         log(f"{system.name} seed {seed}: already done ({result_path})")
         return json.loads(result_path.read_text())
     start = time.monotonic()
     save_dir = run_dir / "checkpoints"
     train_log = run_dir / "train.log"
-    train_done = run_dir / "train.done.json"
     extra = []
-    if system.name == "ewa":
-        # EWA's share rate rises linearly over --max-update: the base model's update count in the
-        # same budget (EWA does the base model's work plus the averaging, so the budget binds).
+    if system.name == "ewa" and budget.minutes:
+        # EWA's share rate rises linearly over --max-update, which a time budget does not know:
+        # the base model's update count in the same budget (EWA does the base model's work plus
+        # the averaging, so the budget binds). Under an updates budget it is that budget.
         base = json.loads((runs_root / "base" / f"seed{seed}" / "result.json").read_text())
         extra = ["--max-update", str(base["updates"])]
     if not train_done.is_file():
-        log(f"{system.name} seed {seed}: training for {budget_minutes:g} min -> {save_dir}")
-        seconds = run([SCRIPTS / "train.sh", data_bin, save_dir, "--arch", system.arch, *flags,
-                       *SHARED_RECIPE, "--stop-time-hours", repr(budget_minutes / 60),
-                       "--seed", str(seed), *extra], train_log)
-        write_json(train_done, {"wall_seconds": round(seconds, 1)})
+        log(f"{system.name} seed {seed}: training ({budget.describe()}) on {device} -> "
+            f"{save_dir}")
+        seconds = run([script("train.sh"), data_bin, save_dir, "--arch", system.arch, *flags,
+                       *SHARED_RECIPE, *budget.training_flags(), "--seed", str(seed), *extra],
+                      train_log, device)
+        write_json(train_done, {"wall_seconds": round(seconds, 1), "flags": flags})
     wall = json.loads(train_done.read_text())["wall_seconds"]
 
     averaged = run_dir / "checkpoint_avg.pt"
-    inputs = checkpoints_to_average(save_dir)
-    if not averaged.is_file():
-        from multipath_nmt.averaging import average_checkpoints, save_atomically
-        log(f"{system.name} seed {seed}: averaging {', '.join(p.name for p in inputs)}")
-        save_atomically(average_checkpoints([str(p) for p in inputs]), averaged)
+    with IN_PROCESS:
+        inputs = checkpoints_to_average(save_dir)
+        if not averaged.is_file():
+            from multipath_nmt.averaging import average_checkpoints, save_atomically
+            log(f"{system.name} seed {seed}: averaging {', '.join(p.name for p in inputs)}")
+            save_atomically(average_checkpoints([str(p) for p in inputs]), averaged)
     test_checkpoint = averaged
     if system.name == "ewa":
         test_checkpoint = run_dir / "checkpoint_avg_dense.pt"
@@ -365,17 +533,24 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         generated = run_dir / f"{subset}.generate"
         if not generated.is_file():
             log(f"{system.name} seed {seed}: translating {subset}")
-            run([SCRIPTS / "translate.sh", data_bin, test_checkpoint, run_dir / subset,
-                 "--gen-subset", subset, *DECODING], run_dir / "translate.log")
-        scores[subset] = bleu_scores(generated)
+            run([script("translate.sh"), data_bin, test_checkpoint, run_dir / subset,
+                 "--gen-subset", subset, *DECODING], run_dir / "translate.log", device)
+        with IN_PROCESS:
+            scores[subset] = bleu_scores(generated)
 
-    counts = count_parameters(system.arch, flags, dict_size)
+    with IN_PROCESS:
+        counts = count_parameters(system.arch, flags, dict_size)
+    log_text = train_log.read_text()
+    curve = validation_curve(log_text)
     result = {
         "system": system.name, "seed": seed, "arch": system.arch, "flags": flags,
         "params": counts["total"], "active_params": counts["active"],
-        **training_stats(train_log.read_text()),
+        **training_stats(log_text),
         "train_wall_seconds": wall,
         "train_wall_minutes": round(wall / 60, 2),
+        "valid_loss": curve[-1][1] if curve else None,
+        "valid_curve": curve,
+        "valid_plateau": plateau(curve),
         "averaged": [p.name for p in inputs],
         "test_checkpoint": str(test_checkpoint),
         "valid_bleu": scores["valid"]["bleu"], "valid_sacrebleu": scores["valid"]["sacrebleu"],
@@ -393,12 +568,13 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
 
 # ------------------------------------------------------------------------------ reporting
 
-METRICS = ("train_tokens_per_second", "train_wall_minutes", "updates", "epochs", "valid_bleu",
-           "valid_sacrebleu", "test_bleu", "test_sacrebleu")
+METRICS = ("train_tokens_per_second", "train_wall_minutes", "updates", "epochs", "valid_loss",
+           "valid_bleu", "valid_sacrebleu", "test_bleu", "test_sacrebleu")
 
 
 def summarize(system: System, runs: List[dict]) -> dict:
-    """Mean and (with more than one seed) sample standard deviation of each metric."""
+    """Mean and (with more than one seed) sample standard deviation of each metric, and the
+    largest validation-loss improvement over the last 20% of training among the seeds."""
     summary = {"system": system.name, "label": system.label, "family": system.family,
                "arch": system.arch, "flags": runs[0]["flags"], "params": runs[0]["params"],
                "active_params": runs[0]["active_params"], "seeds": [r["seed"] for r in runs],
@@ -408,7 +584,37 @@ def summarize(system: System, runs: List[dict]) -> dict:
         if values:
             summary["mean"][metric] = statistics.fmean(values)
             summary["std"][metric] = statistics.stdev(values) if len(values) > 1 else None
+    checks = [r.get("valid_plateau") for r in runs]
+    if checks and all(checks):
+        summary["valid_plateau"] = {
+            "max_improvement": max(c["improvement"] for c in checks),
+            "plateaued": all(c["plateaued"] for c in checks)}
     return summary
+
+
+def compare_with_baseline(summary: dict, baseline: dict, runs_root: Path, cache: dict) -> None:
+    """``summary["vs_deep"]``: per seed that both ran, the paired bootstrap of the system's test
+    translations against the baseline's (sacreBLEU on detokenized text); the difference of the
+    means over seeds; ``significant`` when every seed's difference is (cached in ``cache``)."""
+    seeds = [seed for seed in summary["seeds"] if seed in baseline["seeds"]]
+    per_seed = []
+    for seed in seeds:
+        key = (summary["system"], seed)
+        if key not in cache:
+            base_hyps, refs = detokenized_translations(
+                runs_root / baseline["system"] / f"seed{seed}" / "test.generate")
+            hyps, _ = detokenized_translations(
+                runs_root / summary["system"] / f"seed{seed}" / "test.generate")
+            cache[key] = {"seed": seed, **paired_bootstrap(base_hyps, hyps, refs)}
+        per_seed.append(cache[key])
+    if not per_seed:
+        return
+    deltas = [c["delta"] for c in per_seed]
+    summary["vs_deep"] = {
+        "baseline": baseline["system"], "per_seed": per_seed,
+        "delta_mean": statistics.fmean(deltas),
+        "delta_std": statistics.stdev(deltas) if len(deltas) > 1 else None,
+        "significant": all(c["significant"] for c in per_seed)}
 
 
 def _cell(summary, metric, digits):
@@ -418,18 +624,60 @@ def _cell(summary, metric, digits):
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
 
 
+def _plateau_cell(summary):
+    check = summary.get("valid_plateau")
+    return "-" if check is None else f"{100 * check['max_improvement']:.2f}%"
+
+
+def _versus_cells(summary):
+    """The mean sacreBLEU difference to the deep model (± its std over seeds; † when p >= 0.05 in
+    some seed) and the p-value of each seed."""
+    versus = summary.get("vs_deep")
+    if versus is None:
+        return "-", "-"
+    std = versus["delta_std"]
+    delta = f"{versus['delta_mean']:+.2f}" + (f" ± {std:.2f}" if std is not None else "")
+    mark = "" if versus["significant"] else " †"
+    return delta + mark, ", ".join(f"{c['p_value']:.3f}" for c in versus["per_seed"])
+
+
 def markdown_table(summaries: List[dict]) -> str:
     lines = ["| system | params (M) | active (M) | updates | epochs | train tok/s | "
-             "train wall (min) | valid BLEU | test BLEU | test sacreBLEU |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "train wall (min) | valid loss | loss gain, last 20% | valid BLEU | test BLEU | "
+             "test sacreBLEU | vs deep | p per seed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
+        delta, p_values = _versus_cells(s)
         lines.append(
             f"| {s['system']}: {s['label']} | {s['params'] / 1e6:.2f} | "
             f"{s['active_params'] / 1e6:.2f} | {_cell(s, 'updates', 0)} | "
             f"{_cell(s, 'epochs', 2)} | {_cell(s, 'train_tokens_per_second', 0)} | "
-            f"{_cell(s, 'train_wall_minutes', 1)} | {_cell(s, 'valid_bleu', 2)} | {_cell(s, 'test_bleu', 2)} | "
-            f"{_cell(s, 'test_sacrebleu', 2)} |")
+            f"{_cell(s, 'train_wall_minutes', 1)} | {_cell(s, 'valid_loss', 3)} | "
+            f"{_plateau_cell(s)} | {_cell(s, 'valid_bleu', 2)} | {_cell(s, 'test_bleu', 2)} | "
+            f"{_cell(s, 'test_sacrebleu', 2)} | {delta} | {p_values} |")
     return "\n".join(lines) + "\n"
+
+
+def _budget_text(config: dict) -> str:
+    if config.get("budget_updates"):
+        return Budget(updates=config["budget_updates"]).describe()
+    return Budget(minutes=config["budget_minutes"]).describe()
+
+
+def _convergence_text(summaries: List[dict]) -> str:
+    """Whether the deep baseline's validation loss stopped improving, in every seed."""
+    deep = next((s for s in summaries if s["system"] == BASELINE), None)
+    check = deep and deep.get("valid_plateau")
+    if not check:
+        return ""
+    gain = f"{100 * check['max_improvement']:.2f}%"
+    if check["plateaued"]:
+        return (f"The deep baseline's validation loss improved by at most {gain} over the last "
+                f"{PLATEAU_WINDOW:.0%} of training (every seed): it had stopped improving by "
+                f"more than {PLATEAU_TOLERANCE:.0%}.")
+    return (f"**The deep baseline's validation loss still improved by up to {gain} over the last "
+            f"{PLATEAU_WINDOW:.0%} of training** (more than {PLATEAU_TOLERANCE:.0%}): the budget "
+            "is too short for a converged comparison; raise --budget-updates.")
 
 
 def markdown_report(report: dict) -> str:
@@ -438,24 +686,40 @@ def markdown_report(report: dict) -> str:
     spread = " (mean ± sample std over seeds)" if seeds > 1 else ""
     signature = next((r["sacrebleu_signature"] for s in report["systems"] for r in s["runs"]),
                      "")
+    bootstrap = next((s["vs_deep"]["per_seed"][0]["signature"] for s in report["systems"]
+                      if s.get("vs_deep")), "")
     usable = machine.get("usable_cpus", machine["cpus"])
     usable = f" ({usable} usable by the study)" if usable < machine["cpus"] else ""
     threads = machine["torch_threads"]
     threads = f"{threads} thread" + ("s" if threads != 1 else "")
+    gpu = f", {machine['gpu']} (fp16)" if machine.get("gpu") else ""
+    parallel = config.get("parallel", 1)
+    parallel = (f", {parallel} runs at a time ({report['elapsed_seconds'] / 60:.1f} min "
+                "elapsed)" if parallel > 1 else "")
     lines = [
         "# Multi30k En-De: width vs depth at equal parameters", "",
-        f"Budget {config['budget_minutes']:g} min of training per system "
-        f"(fairseq --stop-time-hours), {seeds} seed(s){spread}; data {config['data_tag']} "
+        f"Budget: {_budget_text(config)}; {seeds} seed(s){spread}; data {config['data_tag']} "
         f"(BPE {BPE_MERGES} merges, joined dictionary of {config['dict_size']} types). "
         f"Machine: {machine['cpu']}, {machine['cpus']} CPUs{usable}, torch {machine['torch']} "
-        f"with {threads}. Wall time of all runs (training, averaging, "
+        f"with {threads}{gpu}{parallel}. Wall time of all runs (training, averaging, "
         f"translation, scoring): {report['runs_wall_seconds'] / 60:.1f} min.", "",
         markdown_table(report["systems"]),
         "BLEU: tokenized multi-bleu (`multipath-score`, no compound split) of the averaged last "
         f"checkpoints (up to {AVERAGE_LAST}, the final partial epoch included); sacreBLEU on "
         f"Moses-detokenized text, `{signature}`. Train tok/s: target tokens per second of "
-        "training (fairseq's wps); train wall: the whole fairseq-train process.", "",
-        "Systems and flags (shared: `" + " ".join(SHARED_MODEL + SHARED_RECIPE) + "`):", ""]
+        "training (fairseq's wps); train wall: the whole fairseq-train process. Valid loss: the "
+        "last validation's cross-entropy (fairseq's nll_loss, bits per token, no label "
+        "smoothing); loss gain, last 20%: how much the best validation loss improved over the "
+        f"last {PLATEAU_WINDOW:.0%} of the updates (the largest over seeds).", "",
+        f"vs deep: the test sacreBLEU difference to the deep model with the same seed; p per "
+        f"seed: sacreBLEU's paired bootstrap resampling of the two systems' test translations "
+        f"(`{bootstrap}`); † marks a difference that is not significant (p >= "
+        f"{SIGNIFICANCE_LEVEL}, or no difference) in at least one seed.", ""]
+    convergence = _convergence_text(report["systems"])
+    if convergence:
+        lines += [convergence, ""]
+    lines += ["Systems and flags (shared: `" + " ".join(SHARED_MODEL + SHARED_RECIPE) + "`):",
+              ""]
     for s in report["systems"]:
         own = s["flags"][len(SHARED_MODEL):]
         lines.append(f"- `{s['system']}`: `--arch {s['arch']} {' '.join(own)}`")
@@ -466,8 +730,9 @@ FAMILY_STYLE = {"base": ("black", "o"), "deep": ("tab:blue", "s"), "wide": ("tab
                 "multi-path": ("tab:red", "^"), "MoE-style": ("tab:green", "v")}
 
 
-def plot(summaries: List[dict], path: Path) -> None:
-    """BLEU vs parameters (the paper's Fig. 1): a line from the base model to each system."""
+def plot(summaries: List[dict], path: Path, title: str) -> None:
+    """BLEU vs parameters (the paper's Fig. 1): a line from the base model to each system, error
+    bars of one sample std over seeds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -492,9 +757,14 @@ def plot(summaries: List[dict], path: Path) -> None:
             axes.plot([], [], color=colour, marker=marker, linestyle="none", label=family)
     axes.set_xlabel("parameters (M)")
     axes.set_ylabel("test BLEU, tokenized (Multi30k test 2016)")
-    axes.set_title("Multi30k En-De, equal training time per system")
+    axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
+    _save_figure(figure, path)
+
+
+def _save_figure(figure, path: Path) -> None:
+    import matplotlib.pyplot as plt
     figure.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     figure.savefig(tmp, dpi=120)
@@ -502,7 +772,44 @@ def plot(summaries: List[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def machine_info() -> dict:
+def mean_curve(curves: Sequence[Sequence[Tuple[int, float]]]):
+    """The updates every curve was validated at, and the mean, min and max loss there."""
+    common = sorted(set.intersection(*(set(u for u, _ in c) for c in curves)))
+    values = [[dict(c)[u] for c in curves] for u in common]
+    return (common, [statistics.fmean(v) for v in values], [min(v) for v in values],
+            [max(v) for v in values])
+
+
+def plot_validation_loss(summaries: List[dict], path: Path, title: str) -> bool:
+    """Validation loss against updates per system: the mean over seeds, shaded between the
+    seeds' min and max. False (nothing drawn) when no run has a validation curve."""
+    curves = [(s, [r["valid_curve"] for r in s["runs"] if r.get("valid_curve")])
+              for s in summaries]
+    curves = [(s, c) for s, c in curves if c]
+    if not curves:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(figsize=(7.5, 5))
+    for index, (s, runs) in enumerate(curves):
+        updates, mean, low, high = mean_curve(runs)
+        colour = f"C{index % 10}"
+        axes.plot(updates, mean, color=colour, linewidth=1.3,
+                  linestyle="-" if index < 10 else "--", label=s["system"])
+        if len(runs) > 1:
+            axes.fill_between(updates, low, high, color=colour, alpha=0.2, linewidth=0)
+    axes.set_xlabel("updates (2,048 tokens each)")
+    axes.set_ylabel("validation loss (nll, bits per token)")
+    seeds = max(len(runs) for _, runs in curves)
+    axes.set_title(title + (f": mean of {seeds} seeds, shaded min-max" if seeds > 1 else ""))
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    _save_figure(figure, path)
+    return True
+
+
+def machine_info(device: str = "cpu") -> dict:
     import torch
     cpu = platform.processor() or platform.machine()
     try:
@@ -516,23 +823,49 @@ def machine_info() -> dict:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": cpu, "cpus": os.cpu_count(), "usable_cpus": usable, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "device": device,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
 
 
 # ------------------------------------------------------------------------------ main
 
-def select_systems(names: Optional[str]) -> List[System]:
+def select_systems(names: Optional[str], budget: Budget = Budget(minutes=8.0)) -> List[System]:
+    """The named systems (default: DEFAULT_SYSTEMS) in the study's order."""
     if not names:
-        return list(SYSTEMS)
+        return [s for s in SYSTEMS if s.name in DEFAULT_SYSTEMS]
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in SYSTEM_NAMES]
     if unknown:
         raise StudyError(f"unknown system(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(SYSTEM_NAMES)}")
-    if "ewa" in wanted and "base" not in wanted:
+    if "ewa" in wanted and "base" not in wanted and budget.minutes:
         log("ewa takes its --max-update from the base model's run: adding base")
         wanted.append("base")
+    if BASELINE not in wanted:
+        log(f"no {BASELINE} model among the systems: no significance tests against it")
     return [s for s in SYSTEMS if s.name in wanted]
+
+
+def resolve_device(device: str, parallel: int, budget: Budget) -> str:
+    """``cpu`` or ``cuda`` (``auto``: cuda when torch sees a GPU); refuses what cannot work."""
+    import torch
+    available = torch.cuda.is_available()
+    if device == "auto":
+        device = "cuda" if available else "cpu"
+    if device == "cuda" and not available:
+        raise StudyError("--device cuda: torch sees no CUDA device (torch "
+                         f"{torch.__version__}, CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    if parallel > 1 and device == "cpu":
+        raise StudyError(f"--parallel {parallel} runs several trainings on one GPU; on the CPU "
+                         "the runs go one at a time (concurrent trainings share the cores: none "
+                         "finishes sooner, and each one's speed would measure the others); use "
+                         "--device cuda or --parallel 1")
+    if parallel > 1 and budget.minutes:
+        raise StudyError(f"--parallel {parallel} needs the equal-updates budget "
+                         "(--budget-updates): at equal time, runs sharing a GPU slow each other "
+                         "down unevenly, and the budget would measure that")
+    return device
 
 
 def write_reports(report: dict, results: Path) -> None:
@@ -541,40 +874,87 @@ def write_reports(report: dict, results: Path) -> None:
     tmp = results / "study.md.tmp"
     tmp.write_text(markdown_report(report))
     os.replace(tmp, results / "study.md")
-    plot(report["systems"], results / "study.png")
+    if not report["systems"]:  # no system has finished all its seeds yet
+        return
+    budget = ("equal updates" if report["config"].get("budget_updates")
+              else "equal training time")
+    plot(report["systems"], results / "study.png", f"Multi30k En-De, {budget} per system")
+    plot_validation_loss(report["systems"], results / "study-valid-loss.png",
+                         f"Multi30k En-De, {budget}")
+
+
+def summaries_of(systems: Sequence[System], finished: Dict[Tuple[str, int], dict],
+                 seeds: Sequence[int], runs_root: Path, cache: dict) -> List[dict]:
+    """The summaries of the systems whose seeds have all finished, each compared with the deep
+    model when it has finished."""
+    summaries = [summarize(system, [finished[system.name, seed] for seed in seeds])
+                 for system in systems
+                 if all((system.name, seed) in finished for seed in seeds)]
+    baseline = next((s for s in summaries if s["system"] == BASELINE), None)
+    if baseline is not None:
+        for summary in summaries:
+            if summary is not baseline:
+                compare_with_baseline(summary, baseline, runs_root, cache)
+    return summaries
 
 
 def run_study(args) -> dict:
-    """Prepare, run every system and seed, and rewrite the reports after each system (so an
-    interrupted study leaves the table of the systems that finished)."""
-    systems = select_systems(args.systems)
+    """Prepare, run every system and seed (``--parallel`` at a time), and rewrite the reports
+    after each run (so an interrupted study leaves the table of the systems that finished)."""
+    budget = (Budget(minutes=args.budget_minutes) if args.budget_minutes
+              else Budget(updates=args.budget_updates))
+    systems = select_systems(args.systems, budget)
+    device = resolve_device(args.device, args.parallel, budget)
+    for name in ("train.sh", "translate.sh"):  # before hours of preparation, not after
+        script(name)
     results = Path(args.results)
     data_bin = prepare(Path(args.data), Path(args.work), args.max_train_lines,
                        args.max_eval_lines, args.workers)
     dict_size = dictionary_size(data_bin)
     flags = resolve_flags(systems, dict_size)
-    runs_root = data_bin.parent / f"runs-{args.budget_minutes:g}min"
+    runs_root = data_bin.parent / budget.runs_dirname
+    seeds = list(range(1, args.seeds + 1))
     report = {
-        "config": {"budget_minutes": args.budget_minutes, "seeds": args.seeds,
-                   "systems": [s.name for s in systems], "data": str(args.data),
-                   "data_tag": data_bin.parent.name, "max_train_lines": args.max_train_lines,
+        "config": {"budget_minutes": budget.minutes, "budget_updates": budget.updates,
+                   "validation_interval": budget.updates and validation_interval(budget.updates),
+                   "seeds": args.seeds, "systems": [s.name for s in systems],
+                   "data": str(args.data), "data_tag": data_bin.parent.name,
+                   "max_train_lines": args.max_train_lines,
                    "max_eval_lines": args.max_eval_lines, "dict_size": dict_size,
                    "bpe_merges": BPE_MERGES, "shared_model": SHARED_MODEL,
-                   "shared_recipe": SHARED_RECIPE, "decoding": DECODING},
-        "machine": machine_info(),
+                   "shared_recipe": SHARED_RECIPE, "budget_flags": budget.training_flags(),
+                   "decoding": DECODING, "device": device, "parallel": args.parallel,
+                   "plateau": {"window": PLATEAU_WINDOW, "tolerance": PLATEAU_TOLERANCE},
+                   "bootstrap": {"samples": BOOTSTRAP_SAMPLES,
+                                 "significance_level": SIGNIFICANCE_LEVEL,
+                                 "baseline": BASELINE}},
+        "machine": machine_info(device),
         "runs_wall_seconds": 0.0,
         "systems": [],
     }
-    for system in systems:
-        runs = [run_system(system, flags[system.name], seed, data_bin,
-                           runs_root / system.name / f"seed{seed}", args.budget_minutes,
-                           dict_size, runs_root)
-                for seed in range(1, args.seeds + 1)]
-        report["systems"].append(summarize(system, runs))
-        report["runs_wall_seconds"] = round(report["runs_wall_seconds"] + sum(
-            r["run_wall_seconds"] for r in runs), 1)
-        write_reports(report, results)
-    log(f"wrote {results}/study.md, study.json and study.png")
+    start = time.monotonic()
+    finished: Dict[Tuple[str, int], dict] = {}
+    cache: dict = {}
+    # jobs start in the study's order (base before EWA, which reads its update count under a
+    # time budget; there --parallel is 1, so each job ends before the next starts)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        jobs = {pool.submit(run_system, system, flags[system.name], seed, data_bin,
+                            runs_root / system.name / f"seed{seed}", budget, dict_size,
+                            runs_root, device): (system.name, seed)
+                for system in systems for seed in seeds}
+        try:
+            for job in as_completed(jobs):
+                finished[jobs[job]] = job.result()
+                report["systems"] = summaries_of(systems, finished, seeds, runs_root, cache)
+                report["runs_wall_seconds"] = round(sum(
+                    r["run_wall_seconds"] for r in finished.values()), 1)
+                report["elapsed_seconds"] = round(time.monotonic() - start, 1)
+                write_reports(report, results)
+        except BaseException:
+            for job in jobs:  # the runs under way finish, the others do not start
+                job.cancel()
+            raise
+    log(f"wrote {results}/study.md, study.json, study.png and study-valid-loss.png")
     return report
 
 
@@ -587,11 +967,22 @@ def _positive_float(value):
 
 def get_parser():
     parser = argparse.ArgumentParser(prog="study.sh", description=__doc__.split("\n")[0])
-    parser.add_argument("--budget-minutes", type=_positive_float, default=8.0,
-                        help="training time per system and seed (default 8: the 9 systems, "
-                             "preparation and decoding take about 90 minutes on 2 cores)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--budget-updates", type=positive_int, default=DEFAULT_BUDGET_UPDATES,
+                        help="updates of 2,048 tokens per system and seed (fairseq "
+                             f"--max-update; default {DEFAULT_BUDGET_UPDATES}, about 25 epochs), "
+                             "with the validation loss logged along the way")
+    budget.add_argument("--budget-minutes", type=_positive_float,
+                        help="instead of equal updates: the same training time per system and "
+                             "seed (fairseq --stop-time-hours), without validation")
     parser.add_argument("--seeds", type=positive_int, default=1,
                         help="runs per system with seeds 1..N; the table shows mean and spread")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="cuda: train and decode in fp16 on one GPU (the first visible "
+                             "one); auto (default): cuda when torch sees a GPU, else cpu")
+    parser.add_argument("--parallel", type=positive_int, default=1,
+                        help="runs (training, averaging, decoding) at a time on the GPU "
+                             "(default 1; the CPU runs one at a time)")
     parser.add_argument("--data", default=os.environ.get("MULTI30K_DIR", "data/multi30k"),
                         help="folder with Multi30k's train/val/test_2016_flickr.{en,de}[.gz] "
                              "(default: $MULTI30K_DIR or data/multi30k)")
@@ -599,9 +990,11 @@ def get_parser():
                         help="prepared data, checkpoints and translations (default: "
                              "work/multi30k)")
     parser.add_argument("--results", default="results/multi30k",
-                        help="where study.md, study.json and study.png go "
-                             "(default: results/multi30k)")
-    parser.add_argument("--systems", help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}")
+                        help="where study.md, study.json, study.png and study-valid-loss.png "
+                             "go (default: results/multi30k)")
+    parser.add_argument("--systems",
+                        help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)} (default: "
+                             f"{','.join(DEFAULT_SYSTEMS)})")
     parser.add_argument("--max-train-lines", type=positive_int,
                         help="only the first N training pairs (quick runs and tests)")
     parser.add_argument("--max-eval-lines", type=positive_int,

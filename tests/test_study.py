@@ -122,7 +122,9 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     for row, summary in zip(rows, report["systems"]):
         cells = [c.strip() for c in row.strip("|").split("|")]
         run = summary["runs"][0]
-        numbers = [float(c) for c in cells[1:]]
+        # no validation in a time budget, no deep model to compare with
+        assert cells[7:9] == ["-", "-"] and cells[12:] == ["-", "-"]
+        numbers = [float(c) for c in cells[1:7] + cells[9:12]]
         assert numbers == [round(summary["params"] / 1e6, 2),
                            round(summary["active_params"] / 1e6, 2),
                            run["updates"], pytest.approx(run["epochs"], abs=0.005),
@@ -157,3 +159,188 @@ def test_report_says_how_many_cpus_and_threads_the_study_had(usable, threads, ex
               "runs_wall_seconds": 60.0, "systems": []}
     assert expected in study.markdown_report(report)
     assert study.machine_info()["usable_cpus"] == len(os.sched_getaffinity(0))
+
+
+def test_validation_curve_keeps_the_last_loss_of_each_update():
+    log = "\n".join([
+        "2026-11-25 | INFO | train | epoch 001 | loss 7.6 | nll_loss 7.5 | num_updates 10",
+        "2026-11-25 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 7.1 | "
+        "nll_loss 6.9 | ppl 119.4 | wps 100 | wpb 50 | bsz 20 | num_updates 10",
+        "2026-11-25 | INFO | valid | epoch 002 | valid on 'valid' subset | loss 6.1 | "
+        "nll_loss 5.85 | ppl 57.7 | wps 100 | wpb 50 | bsz 20 | num_updates 20 | best_loss 6.1",
+        # resumed from update 10: update 20 validated again
+        "2026-11-25 | INFO | valid | epoch 002 | valid on 'valid' subset | loss 6.0 | "
+        "nll_loss 5.8 | ppl 55.7 | wps 100 | wpb 50 | bsz 20 | num_updates 20 | best_loss 6.0",
+    ])
+    assert study.validation_curve(log) == [(10, 6.9), (20, 5.8)]
+
+
+def test_plateau_is_the_best_loss_gain_over_the_last_fifth_of_training():
+    # window from update 80: best before 4.0 (update 80), best after 3.95: 1.25% > 1%
+    curve = [(20, 6.0), (40, 5.0), (60, 4.2), (80, 4.0), (100, 3.95)]
+    check = study.plateau(curve)
+    assert check == {"window_start_update": 80.0, "best_loss_before": 4.0, "best_loss": 3.95,
+                     "improvement": pytest.approx(0.0125), "plateaued": False}
+    # 3.97: 0.75%; a rising loss (overfitting) gains nothing and has plateaued
+    assert study.plateau(curve[:-1] + [(100, 3.97)])["plateaued"] is True
+    rising = study.plateau(curve[:-1] + [(90, 4.1), (100, 4.2)])
+    assert rising["improvement"] == 0 and rising["plateaued"] is True
+    # nothing to compare: no curve, or no validation inside (or before) the window
+    assert study.plateau([]) is None
+    assert study.plateau([(50, 5.0), (60, 4.0)]) is None
+    assert study.plateau([(100, 4.0)]) is None
+
+
+REFS = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch.",
+        "Kinder spielen am Strand.", "Ein Koch steht in der Küche."] * 8
+
+
+def test_paired_bootstrap_is_sacrebleus_and_a_zero_difference_is_not_significant():
+    from sacrebleu.metrics import BLEU
+    worse = ["Ein Mann fährt.", "Hunde spielen.", "Frau liest.", "Kinder am Strand.",
+             "Ein Koch steht."] * 8
+    close = REFS[:-1] + ["Ein Koch in der Küche."]
+    far = study.paired_bootstrap(REFS, worse, REFS)
+    assert far["baseline_bleu"] == pytest.approx(100.0)
+    assert far["bleu"] == pytest.approx(BLEU().corpus_score(worse, [REFS]).score)
+    # no resample comes near a difference this large: sacreBLEU's smallest p, (0 + 1) / 1001
+    assert far["p_value"] == pytest.approx(1 / 1001) and far["significant"]
+    assert far["signature"].startswith("nrefs:1|bs:1000|seed:12345|")
+    # one sentence of 40 differs: the resampled differences often exceed the observed one
+    near = study.paired_bootstrap(REFS, close, REFS)
+    assert 0 < -near["delta"] < 2 and near["p_value"] >= 0.05 and not near["significant"]
+    # identical output: sacreBLEU still returns 1 / 1001 (no resampled difference exceeds 0)
+    same = study.paired_bootstrap(worse, list(worse), REFS)
+    assert same["delta"] == 0 and same["p_value"] == pytest.approx(1 / 1001)
+    assert not same["significant"]
+
+
+def _summary(name, seeds, deltas=None, p_values=None):
+    summary = {"system": name, "label": name.title(), "params": 3e6, "active_params": 3e6,
+               "seeds": seeds, "mean": {"test_bleu": 20.0}, "std": {"test_bleu": None},
+               "runs": []}
+    if deltas is not None:
+        per_seed = [{"seed": s, "delta": d, "p_value": p, "significant": p < 0.05 and d != 0}
+                    for s, d, p in zip(seeds, deltas, p_values)]
+        summary["vs_deep"] = {"per_seed": per_seed, "delta_mean": sum(deltas) / len(deltas),
+                              "delta_std": 0.5 if len(deltas) > 1 else None,
+                              "significant": all(c["significant"] for c in per_seed)}
+    return summary
+
+
+def test_table_marks_differences_not_significant_in_some_seed():
+    table = study.markdown_table([
+        _summary("deep", [1, 2]),
+        _summary("wide", [1, 2], [1.0, 2.0], [0.001, 0.03]),
+        _summary("mp_original", [1, 2], [1.5, 0.5], [0.002, 0.2]),
+        _summary("base", [1], [0.0], [1 / 1001]),
+    ])
+    cells = {row.split("|")[1].split(":")[0].strip(): [c.strip() for c in row.split("|")[-3:-1]]
+             for row in table.splitlines()[2:]}
+    assert cells == {"deep": ["-", "-"], "wide": ["+1.50 ± 0.50", "0.001, 0.030"],
+                     "mp_original": ["+1.00 ± 0.50 †", "0.002, 0.200"],
+                     "base": ["+0.00 †", "0.001"]}
+
+
+def test_parallel_runs_and_devices_that_cannot_work_are_refused():
+    updates, minutes = study.Budget(updates=100), study.Budget(minutes=1.0)
+    with pytest.raises(study.StudyError, match="^--parallel 2 runs several trainings on one "
+                                               "GPU; on the CPU the runs go one at a time"):
+        study.resolve_device("cpu", 2, updates)
+    assert study.resolve_device("cpu", 1, minutes) == "cpu"
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(study.StudyError, match="^--device cuda: torch sees no CUDA device"):
+            study.resolve_device("cuda", 1, updates)
+        assert study.resolve_device("auto", 1, updates) == "cpu"
+    else:
+        with pytest.raises(study.StudyError, match="--parallel 2 needs the equal-updates budget"):
+            study.resolve_device("cuda", 2, minutes)
+    # each run sees one device: the study's batch (2,048 tokens) on any machine
+    assert study._env("cuda")["MULTIPATH_NMT_NUM_GPUS"] == "1"
+    assert study._env("cpu")["MULTIPATH_NMT_NUM_GPUS"] == "0"
+
+
+def test_budgets_give_fairseq_the_same_updates_or_time_and_separate_run_folders():
+    assert study.Budget(updates=6000).training_flags() == [
+        "--max-update", "6000", "--validate-interval-updates", "240"]
+    assert study.Budget(minutes=8.0).training_flags() == [
+        "--disable-validation", "--stop-time-hours", repr(8.0 / 60)]
+    assert study.Budget(updates=6000).runs_dirname == "runs-6000updates"
+    assert study.Budget(minutes=8.0).runs_dirname == "runs-8min"
+    args = study.get_parser().parse_args([])
+    assert (args.budget_updates, args.budget_minutes) == (study.DEFAULT_BUDGET_UPDATES, None)
+    with pytest.raises(SystemExit):
+        study.get_parser().parse_args(["--budget-updates", "5", "--budget-minutes", "1"])
+    # the default systems are Table 4's multi-path rows with the dense references
+    assert [s.name for s in study.select_systems(None, study.Budget(updates=10))] == [
+        "base", "deep", "wide", "mp_original", "mp_pathnorm", "mp_learnable", "mp_cheap"]
+    flags = {s.name: s.flags for s in study.SYSTEMS}
+    assert flags["mp_original"][-3:] == ["--path-weights", "fixed", "--no-path-norm"]
+    assert flags["mp_pathnorm"][-2:] == ["--path-weights", "fixed"]
+    assert flags["mp_learnable"][-2:] == ["--path-weights", "learnable"]
+
+
+def test_without_the_source_trees_scripts_the_study_says_what_it_needs(tmp_path, monkeypatch):
+    assert study.script("train.sh") == ROOT / "scripts" / "train.sh"
+    monkeypatch.setattr(study, "SCRIPTS", tmp_path)  # as in a wheel: no scripts/ folder
+    with pytest.raises(study.StudyError, match=f"^{tmp_path}/train.sh not found: the study runs "
+                                               "the toolkit's scripts/train.sh, which come with "
+                                               "a source checkout"):
+        study.script("train.sh")
+
+
+def test_a_run_folder_from_other_flags_is_refused(tmp_path):
+    deep = next(s for s in study.SYSTEMS if s.name == "deep")
+    (tmp_path / "result.json").write_text(json.dumps({"flags": ["--encoder-layers", "3"]}))
+    with pytest.raises(study.StudyError, match=f"^{tmp_path}/result.json was trained with other "
+                                               "flags \\(--encoder-layers 3\\)"):
+        study.run_system(deep, study.model_flags(deep), 1, tmp_path, tmp_path,
+                         study.Budget(updates=5), 100, tmp_path)
+
+
+@pytest.mark.slow
+def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, monkeypatch):
+    # one thread per process: these tiny runs gain nothing from two, which only spin-wait when
+    # the machine is busy
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    work, results = tmp_path / "work", tmp_path / "results"
+    study.cli_main(["--data", str(multi30k), "--work", str(work), "--results", str(results),
+                    "--systems", "deep,mp_original", "--seeds", "2", "--budget-updates", "2",
+                    "--max-train-lines", "40", "--max-eval-lines", "20", "--device", "cpu"])
+    report = json.loads((results / "study.json").read_text())
+    assert report["config"]["budget_updates"] == 2 and report["config"]["budget_minutes"] is None
+    runs_root = work / "train40-eval20" / "runs-2updates"
+    # every system and seed ends at the same update, the same epoch, with 2,048 tokens a batch
+    for summary in report["systems"]:
+        assert summary["seeds"] == [1, 2]
+        for run in summary["runs"]:
+            assert (run["updates"], run["epochs"]) == (2, 1.0)
+            # validated at every update (2 // 25 -> every update): a curve to the last update
+            assert [u for u, _ in run["valid_curve"]] == [1, 2]
+            assert run["valid_loss"] == run["valid_curve"][-1][1]
+            assert run["valid_plateau"] == study.plateau(run["valid_curve"])
+            log = (runs_root / run["system"] / f"seed{run['seed']}" / "train.log").read_text()
+            assert "--max-update 2 --validate-interval-updates 1" in log
+            assert "2,048 max-tokens x 1 CPU process x 1 update-freq = 2,048 tokens" in log
+        assert summary["mean"]["test_sacrebleu"] == pytest.approx(
+            sum(r["test_sacrebleu"] for r in summary["runs"]) / 2)
+    deep, multipath = report["systems"]
+    assert "vs_deep" not in deep
+    # the paired bootstrap per seed on the detokenized test translations of the same seed
+    for check in multipath["vs_deep"]["per_seed"]:
+        seed_dir = f"seed{check['seed']}"
+        base_hyps, refs = study.detokenized_translations(runs_root / "deep" / seed_dir /
+                                                         "test.generate")
+        hyps, _ = study.detokenized_translations(runs_root / "mp_original" / seed_dir /
+                                                 "test.generate")
+        assert check == {"seed": check["seed"], **study.paired_bootstrap(base_hyps, hyps, refs)}
+    versus = multipath["vs_deep"]
+    assert versus["significant"] == all(c["significant"] for c in versus["per_seed"])
+    row = next(line for line in (results / "study.md").read_text().splitlines()
+               if line.startswith("| mp_original: "))
+    delta, p_values = [c.strip() for c in row.split("|")[-3:-1]]
+    assert delta.endswith(" †") == (not versus["significant"])
+    assert p_values == ", ".join(f"{c['p_value']:.3f}" for c in versus["per_seed"])
+    for png in ("study.png", "study-valid-loss.png"):
+        assert (results / png).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
