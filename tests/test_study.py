@@ -344,3 +344,43 @@ def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, 
     assert p_values == ", ".join(f"{c['p_value']:.3f}" for c in versus["per_seed"])
     for png in ("study.png", "study-valid-loss.png"):
         assert (results / png).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_path,
+                                                                          monkeypatch):
+    """--parallel 2 on a GPU: at most two runs at once, every run done once, and each report
+    holds the systems whose seeds have all finished (the training itself is replaced)."""
+    import threading
+    import time
+    running, most, lock, reports = [], [0], threading.Lock(), []
+
+    def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device):
+        with lock:
+            running.append((system.name, seed))
+            most[0] = max(most[0], len(running))
+        time.sleep(0.2)
+        with lock:
+            running.remove((system.name, seed))
+        return {"system": system.name, "seed": seed, "flags": flags, "params": 1,
+                "active_params": 1, "test_sacrebleu": 10.0 + seed, "run_wall_seconds": 0.2}
+
+    monkeypatch.setattr(study, "resolve_device", lambda device, parallel, budget: "cuda")
+    monkeypatch.setattr(study, "prepare", lambda *args: tmp_path / "full" / "data-bin")
+    monkeypatch.setattr(study, "dictionary_size", lambda data_bin: 100)
+    monkeypatch.setattr(study, "resolve_flags", lambda systems, size: {
+        s.name: study.model_flags(s) for s in systems})
+    monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
+    monkeypatch.setattr(study, "run_system", fake_run)
+    monkeypatch.setattr(study, "detokenized_translations", lambda path: (["a b c d"], ["a b c d"]))
+    monkeypatch.setattr(study, "write_reports", lambda report, results: reports.append(
+        [s["system"] for s in report["systems"]]))
+    args = study.get_parser().parse_args(["--systems", "deep,wide,mp_original", "--seeds", "2",
+                                          "--budget-updates", "10", "--parallel", "2",
+                                          "--device", "cuda"])
+    report = study.run_study(args)
+    assert most[0] == 2 and len(reports) == 6
+    # a system enters the report when its last seed finishes, and stays, in the study's order
+    assert reports[-1] == ["deep", "wide", "mp_original"]
+    assert all(r == n[:len(r)] or set(r) <= set(n) for r, n in zip(reports, reports[1:]))
+    assert report["config"]["parallel"] == 2 and report["config"]["device"] == "cuda"
+    assert [c["seed"] for c in report["systems"][1]["vs_deep"]["per_seed"]] == [1, 2]
