@@ -11,6 +11,9 @@ import os
 # fairseq's text_to_speech task calls logging.basicConfig(level=DEBUG) when fairseq is imported;
 # when we are imported first (our own tools), undo that so they do not print DEBUG chatter.
 _root_logging = (logging.getLogger().level, list(logging.getLogger().handlers))
+# The same module logs "Please install tensorboardX" at INFO on import, before our tools' own
+# one-line messages; nothing here uses that task.
+logging.getLogger("fairseq.tasks.text_to_speech").setLevel(logging.WARNING)
 
 from multipath_nmt import attention, compat, distributed, numerics  # noqa: E402
 
