@@ -70,6 +70,14 @@ def criterion_for_arch(arch: str) -> str:
     return "label_smoothed_cross_entropy"
 
 
+def gpu_precision_for_arch(arch: str) -> str:
+    """fairseq's mixed-precision flag on GPUs. Multi-path models take ``--amp`` (fp32 weights,
+    fp16 arithmetic): under ``--fp16`` (fp16 weights and gradients) the gradients of their path
+    and residual weights overflow at a loss scale the stock model takes (docs/fidelity.md,
+    'Architecture and GPU-scale numerics'). Both are mixed-precision training with loss scaling."""
+    return "--amp" if arch.startswith("multipath") else "--fp16"
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     max_tokens: int
@@ -235,7 +243,8 @@ def shell_main(argv=None):
         sys.exit(f"train.sh: error: cannot count GPUs ({error}); activate the environment or set PYTHON")
     values = {"user_dir": os.path.dirname(os.path.abspath(__file__)), "gpus": gpus,
               "recipe": recipe.name, "lr": recipe.lr, "warmup": recipe.warmup_updates,
-              "criterion": criterion_for_arch(args.arch), "max_tokens": plan.max_tokens,
+              "criterion": criterion_for_arch(args.arch),
+              "gpu_precision": gpu_precision_for_arch(args.arch), "max_tokens": plan.max_tokens,
               "update_freq": plan.update_freq, "batch_line": plan.arithmetic(),
               "sharing_line": ("embeddings: " + ("all shared (joined dictionary)" if sharing else
                                "nothing shared (encoder input, decoder input, output projection)")

@@ -4,7 +4,8 @@
 #                    [--embeddings auto|shared|separate] [--dry-run] [fairseq-train args...]
 #
 # Recipe (multipath_nmt/recipe.py; docs/fidelity.md traces each item to the paper): Adam
-# (0.9, 0.997), inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), fp16 on CUDA.
+# (0.9, 0.997), inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), mixed
+# precision on CUDA (--amp for multi-path models, --fp16 for the others: recipe.py says why).
 #   base (transformer_prenorm/transformer/wide):  lr 0.001, 8000 warmup,  32,768 tokens per update
 #   deep/multi-path/WideNet/EWA/ParameterNet/MoE:  lr 0.002, 16000 warmup, 65,536 tokens per update
 # Tokens per update = max-tokens x GPUs x update-freq: the paper's 4,096 / 8,192 tokens per GPU
@@ -65,8 +66,8 @@ runpy.run_path(os.path.join(spec.submodule_search_locations[0], "recipe.py"), ru
 eval "$plan"
 
 if [ "$gpus" -gt 0 ]; then
-    device=(--fp16 --distributed-world-size "$gpus")
-    echo "train.sh: $gpus GPU(s), fp16"
+    device=("$gpu_precision" --distributed-world-size "$gpus")
+    echo "train.sh: $gpus GPU(s), mixed precision ($gpu_precision)"
 else
     device=(--cpu)
     echo "train.sh: no CUDA device found, training in fp32 on the CPU (--cpu, no --fp16)"

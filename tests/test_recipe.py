@@ -3,7 +3,8 @@ over any GPU count, the CPU batch, the overrides, the refusals, and the embeddin
 import pytest
 
 from multipath_nmt.recipe import (BASE, DEEP, RecipeError, batch_plan, criterion_for_arch,
-                                  dictionary_files, embedding_sharing, recipe_for_arch)
+                                  dictionary_files, embedding_sharing, gpu_precision_for_arch,
+                                  recipe_for_arch)
 
 
 def test_recipes_are_the_papers():
@@ -25,6 +26,18 @@ def test_recipes_are_the_papers():
 ])
 def test_recipe_and_criterion_per_arch(arch, recipe, criterion):
     assert recipe_for_arch(arch) is recipe and criterion_for_arch(arch) == criterion
+
+
+@pytest.mark.parametrize("arch,precision", [
+    ("multipath_transformer_wmt_en_de", "--amp"),
+    ("multipath_l12_p2_wmt_en_de", "--amp"),
+    ("transformer_prenorm_wmt_en_de", "--fp16"),
+    ("transformer_deep24_wmt_en_de", "--fp16"),
+    ("widenet_transformer_wmt_en_de", "--fp16"),
+    ("ewa_transformer_wmt_en_de", "--fp16"),
+])
+def test_gpu_precision_per_arch(arch, precision):
+    assert gpu_precision_for_arch(arch) == precision
 
 
 # (GPUs, max-tokens, update-freq), computed by hand from max-tokens x GPUs x update-freq = global.

@@ -86,7 +86,10 @@ def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, 
             f"update-freq = {total:,} tokens per update (the paper's {total // 8:,} per GPU x 8 "
             f"GPUs)") in proc.stdout
     assert (flags["--lr"], flags["--warmup-updates"]) == (("0.002", "16000") if deep else ("0.001", "8000"))
-    assert flags["--fp16"] is True and "--cpu" not in flags
+    # multi-path models train with --amp (fp32 alpha/beta gradients), the others with --fp16
+    precision, other = ("--amp", "--fp16") if arch.startswith("multipath") else ("--fp16", "--amp")
+    assert flags[precision] is True and other not in flags and "--cpu" not in flags
+    assert f"train.sh: {gpus} GPU(s), mixed precision ({precision})" in proc.stdout
     assert flags["--distributed-world-size"] == gpus
     moe = arch.startswith("widenet")
     assert flags["--criterion"] == ("label_smoothed_cross_entropy_with_moe" if moe else "label_smoothed_cross_entropy")
