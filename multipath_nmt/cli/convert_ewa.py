@@ -10,12 +10,9 @@ import argparse
 import os
 import re
 import sys
-import tempfile
-
-import torch
 
 import multipath_nmt  # noqa: F401  (registers moe_transformer so its checkpoints load)
-from multipath_nmt.checkpoints import CheckpointError, read_checkpoint
+from multipath_nmt.checkpoints import CheckpointError, read_checkpoint, save_atomically
 
 EWA_KEY = re.compile(r"^(encoder\.layers\.\d+\.)ffn\.(fc[12])_(weight|bias)$")
 # fp32 copies of half-precision experts (--memory-efficient-fp16 training state)
@@ -110,15 +107,7 @@ def convert_ewa_checkpoint(src, dst):
     cfg["common"]["user_dir"] = None
     cfg["criterion"] = stock_criterion_cfg(cfg.get("criterion"))
     out["cfg"] = cfg
-    folder = os.path.dirname(os.path.abspath(dst))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".convert-ewa-", suffix=".pt")
-    os.close(fd)
-    try:
-        torch.save(out, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    save_atomically(out, dst)
     return dst
 
 
