@@ -2,8 +2,8 @@
 
 Importing it fixes what fairseq 0.12 needs on today's PyTorch (:mod:`multipath_nmt.compat`) and
 on CPU-only distributed runs (:mod:`multipath_nmt.distributed`), reports NaN/Inf updates with
-their number (:mod:`multipath_nmt.numerics`), and registers the models, architectures and
-criterions.
+their number (:mod:`multipath_nmt.numerics`), and registers the models, architectures,
+criterions and the ``adam_fused`` optimizer.
 """
 import logging
 import os

@@ -47,7 +47,7 @@ def test_base_recipe_on_cpu(fake_data_bin):
     words, flags = _flags(proc)
     assert words[1:3] == ["-m", "fairseq_cli.train"] and words[3] == str(fake_data_bin)
     assert flags["--user-dir"] == str(USER_DIR)
-    assert flags["--adam-betas"] == "(0.9, 0.997)" and flags["--optimizer"] == "adam"
+    assert flags["--adam-betas"] == "(0.9, 0.997)" and flags["--optimizer"] == "adam_fused"
     assert flags["--lr-scheduler"] == "inverse_sqrt" and flags["--warmup-init-lr"] == "1e-07"
     assert flags["--clip-norm"] == "0.0"  # no gradient clipping
     assert (flags["--lr"], flags["--warmup-updates"]) == ("0.001", "8000")
