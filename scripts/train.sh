@@ -4,8 +4,9 @@
 #                    [--embeddings auto|shared|separate] [--dry-run] [fairseq-train args...]
 #
 # Recipe (multipath_nmt/recipe.py; docs/fidelity.md traces each item to the paper): Adam
-# (0.9, 0.997) as --optimizer adam_fused (fairseq's Adam update in one fused kernel), inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), mixed
-# precision on CUDA (--amp for multi-path models, --fp16 for the others: recipe.py says why).
+# (0.9, 0.997) as --optimizer adam_fused (fairseq's Adam update in one fused kernel),
+# inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), mixed precision on CUDA
+# (--amp for multi-path models, --fp16 for the others: recipe.py says why).
 #   base (transformer_prenorm/transformer/wide):  lr 0.001, 8000 warmup,  32,768 tokens per update
 #   deep/multi-path/WideNet/EWA/ParameterNet/MoE:  lr 0.002, 16000 warmup, 65,536 tokens per update
 # Tokens per update = max-tokens x GPUs x update-freq: the paper's 4,096 / 8,192 tokens per GPU
