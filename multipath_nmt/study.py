@@ -829,7 +829,8 @@ def machine_info(device: str = "cpu") -> dict:
 
 # ------------------------------------------------------------------------------ main
 
-def select_systems(names: Optional[str], budget: Budget = Budget(minutes=8.0)) -> List[System]:
+def select_systems(names: Optional[str],
+                   budget: Budget = Budget(updates=DEFAULT_BUDGET_UPDATES)) -> List[System]:
     """The named systems (default: DEFAULT_SYSTEMS) in the study's order."""
     if not names:
         return [s for s in SYSTEMS if s.name in DEFAULT_SYSTEMS]
