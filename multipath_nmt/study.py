@@ -298,7 +298,8 @@ def _env(device: str = "cpu"):
     """The scripts run this interpreter and find its console scripts (multipath-prepare); each
     training and decoding process uses one device: the CPU, or one GPU (the first visible one;
     CUDA_VISIBLE_DEVICES selects it), so the batch is the study's 2,048 tokens per update on any
-    machine and train.sh/translate.sh switch to fp16 on the GPU."""
+    machine and train.sh/translate.sh switch to half precision on the GPU (train.sh: --amp for
+    multi-path models, --fp16 for the others; decoding --fp16)."""
     bin_dir = os.path.dirname(sys.executable)
     return dict(os.environ, PYTHON=sys.executable,
                 PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
@@ -692,7 +693,7 @@ def markdown_report(report: dict) -> str:
     usable = f" ({usable} usable by the study)" if usable < machine["cpus"] else ""
     threads = machine["torch_threads"]
     threads = f"{threads} thread" + ("s" if threads != 1 else "")
-    gpu = f", {machine['gpu']} (fp16)" if machine.get("gpu") else ""
+    gpu = f", {machine['gpu']} (half precision)" if machine.get("gpu") else ""
     parallel = config.get("parallel", 1)
     parallel = (f", {parallel} runs at a time ({report['elapsed_seconds'] / 60:.1f} min "
                 "elapsed)" if parallel > 1 else "")
@@ -979,7 +980,8 @@ def get_parser():
     parser.add_argument("--seeds", type=positive_int, default=1,
                         help="runs per system with seeds 1..N; the table shows mean and spread")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="cuda: train and decode in fp16 on one GPU (the first visible "
+                        help="cuda: train and decode in half precision (train.sh's --fp16 or, for "
+                             "multi-path models, --amp) on one GPU (the first visible "
                              "one); auto (default): cuda when torch sees a GPU, else cpu")
     parser.add_argument("--parallel", type=positive_int, default=1,
                         help="runs (training, averaging, decoding) at a time on the GPU "
