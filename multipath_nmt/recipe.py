@@ -131,7 +131,7 @@ def batch_plan(recipe: Recipe, gpus: int, max_tokens: Optional[int] = None,
         total, origin = batch_tokens, "--batch-tokens"
     elif gpus:
         total = recipe.global_batch
-        origin = f"the paper's {recipe.tokens_per_gpu:,} per GPU x {PAPER_GPUS} GPUs"
+        origin = f"the paper's {recipe.tokens_per_gpu:,}, read as per GPU, x {PAPER_GPUS} GPUs"
     else:
         total, origin = recipe.tokens_per_gpu, "one GPU's share of the paper's batch on the CPU"
     if total % workers:

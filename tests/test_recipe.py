@@ -70,7 +70,7 @@ def test_three_gpus_are_refused_with_a_batch_they_can_split(recipe, total, sugge
     with pytest.raises(RecipeError) as error:
         batch_plan(recipe, 3)
     assert str(error.value) == (
-        f"{total} tokens per update (the paper's {recipe.tokens_per_gpu:,} per GPU x 8 GPUs) "
+        f"{total} tokens per update (the paper's {recipe.tokens_per_gpu:,}, read as per GPU, x 8 GPUs) "
         f"cannot be split evenly over 3 GPUs; use a GPU count that divides it "
         f"(CUDA_VISIBLE_DEVICES selects them) or pass {suggestion}")
     # The suggestion works.

@@ -83,7 +83,7 @@ def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, 
     assert (flags["--max-tokens"], flags["--update-freq"]) == (max_tokens, update_freq)
     assert int(max_tokens) * int(gpus) * int(update_freq) == total
     assert (f"train.sh: batch: {int(max_tokens):,} max-tokens x {gpus} GPU(s) x {update_freq} "
-            f"update-freq = {total:,} tokens per update (the paper's {total // 8:,} per GPU x 8 "
+            f"update-freq = {total:,} tokens per update (the paper's {total // 8:,}, read as per GPU, x 8 "
             f"GPUs)") in proc.stdout
     assert (flags["--lr"], flags["--warmup-updates"]) == (("0.002", "16000") if deep else ("0.001", "8000"))
     # multi-path models train with --amp (fp32 alpha/beta gradients), the others with --fp16
@@ -96,10 +96,10 @@ def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, 
 
 
 @pytest.mark.parametrize("arch,message", [
-    ("transformer_prenorm_wmt_en_de", "32,768 tokens per update (the paper's 4,096 per GPU x 8 GPUs) "
+    ("transformer_prenorm_wmt_en_de", "32,768 tokens per update (the paper's 4,096, read as per GPU, x 8 GPUs) "
      "cannot be split evenly over 3 GPUs; use a GPU count that divides it (CUDA_VISIBLE_DEVICES "
      "selects them) or pass --batch-tokens 32760 (3640 max-tokens x 3 workers x 3 update-freq)"),
-    ("multipath_l6_p4_wmt_en_de", "65,536 tokens per update (the paper's 8,192 per GPU x 8 GPUs) "
+    ("multipath_l6_p4_wmt_en_de", "65,536 tokens per update (the paper's 8,192, read as per GPU, x 8 GPUs) "
      "cannot be split evenly over 3 GPUs; use a GPU count that divides it (CUDA_VISIBLE_DEVICES "
      "selects them) or pass --batch-tokens 65520 (3640 max-tokens x 3 workers x 6 update-freq)"),
 ])
