@@ -10,8 +10,9 @@
 #   base (transformer_prenorm/transformer/wide):  lr 0.001, 8000 warmup,  32,768 tokens per update
 #   deep/multi-path/WideNet/EWA/ParameterNet/MoE:  lr 0.002, 16000 warmup, 65,536 tokens per update
 # Tokens per update = max-tokens x GPUs x update-freq: the paper's 4,096 / 8,192 tokens, read
-# as per GPU (docs/fidelity.md), on 8 GPUs, kept exactly on any GPU count that divides it (max-tokens, default 4096, is a cap,
-# lowered where needed; e.g. 3 GPUs are refused with a value that works). Without a GPU: 4,096 /
+# as per GPU (docs/fidelity.md), on 8 GPUs, kept exactly on any GPU count that divides it
+# (max-tokens, default 4096, is a cap, lowered where needed; e.g. 3 GPUs are refused with a
+# value that works). Without a GPU: 4,096 /
 # 8,192 (one GPU's share). --batch-tokens N asks for N tokens per update instead; an explicit
 # --update-freq replaces the arithmetic (max-tokens x workers x update-freq, as given).
 # Embeddings (--embeddings auto): all shared for a joined dictionary (the paper's En-De), nothing
