@@ -221,26 +221,18 @@ def micro_batch_profile(trainer, sample):
         pop_all_routing_stats,
     )
     from multipath_nmt.host_syncs import HostSyncCounter
+    from multipath_nmt.saved_tensors import SavedForBackward
 
     model, criterion = trainer.model, trainer.criterion
     sample = trainer._prepare_sample(sample)[0]
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with HostSyncCounter() as syncs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with HostSyncCounter() as syncs, SavedForBackward(exclude=model.parameters()) as saved:
         trainer.task.train_step(sample, model, criterion, trainer.optimizer,
                                 trainer.get_num_updates())
     model.zero_grad(set_to_none=True)
     pop_all_routing_stats(model)  # forget the routing statistics of this extra pass
     return {"host_syncs": syncs.total, "host_syncs_by_op": dict(syncs.by_op),
             "host_syncs_by_site": dict(syncs.by_site),
-            "saved_for_backward_mib": sum(saved.values()) / 2 ** 20}
+            "saved_for_backward_mib": saved.nbytes / 2 ** 20}
 
 
 def matmul_peak_flops(device, dtype, n=1024, repeats=10):

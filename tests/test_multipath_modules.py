@@ -15,6 +15,7 @@ from multipath_nmt.modules.multipath_reference import (
     ReferenceMultiPathDecoderLayer,
     ReferenceMultiPathEncoderLayer,
 )
+from multipath_nmt.saved_tensors import SavedForBackward
 
 D, FFN, HEADS = 16, 24, 4
 # Equivalences are checked in float64: rounding is then ~1e-15, so a tolerance of 1e-10 is immune
@@ -252,18 +253,9 @@ def test_layers_run_in_half_precision_and_bf16_autocast():
 
 def _saved_activations(module, *inputs):
     """Tensors ``module(*inputs)`` saves for backward (parameters excluded), one per storage."""
-    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = tensor
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedForBackward(exclude=module.parameters()) as saved:
         out = module(*inputs)
-    return out, list(saved.values())
+    return out, saved.tensors
 
 
 @pytest.mark.parametrize("cheap", [False, True])

@@ -10,6 +10,7 @@ from torch import nn
 from multipath_nmt.modules.moe import RoutingStats
 from multipath_nmt.modules.parameternet import (DynamicLinear, ParameterNetFeedForward,
                                                 RoutedLinear, _MixedProjection, masked_mean)
+from multipath_nmt.saved_tensors import SavedForBackward
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
 
 
@@ -82,18 +83,9 @@ def test_mixed_projection_passes_gradcheck():
 def _saved_bytes(module, x, *args):
     """Bytes of the activations autograd keeps for backward (storages counted once, parameters
     not counted)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedForBackward(exclude=module.parameters()) as saved:
         module(x, *args)
-    return sum(storages.values())
+    return saved.nbytes
 
 
 class _DenseFFN(nn.Module):
