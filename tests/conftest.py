@@ -70,6 +70,16 @@ def write_toy_parallel(folder, n_train=300, n_valid=40, seed=0):
     return folder
 
 
+def dictionaries_only_data_bin(folder, src, tgt, joined):
+    """A data-bin with just its dictionaries (one joined, or two different) and a train index:
+    what the recipe reads to choose the embedding sharing."""
+    folder.mkdir()
+    (folder / f"dict.{src}.txt").write_text("a 3\nb 2\n")
+    (folder / f"dict.{tgt}.txt").write_text("a 3\nb 2\n" if joined else "c 3\n")
+    (folder / f"train.{src}-{tgt}.{src}.idx").write_bytes(b"")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def toy_data_bin(tmp_path_factory):
     """A binarized joined-dictionary en-de toy corpus (train/valid/test)."""

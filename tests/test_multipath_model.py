@@ -42,6 +42,17 @@ def _tiny(arch="multipath_transformer", *flags):
     return build_model(arch, 100, [*TINY_MODEL, *flags], device="cpu").eval()
 
 
+def _perturbed_paths_model(scale):
+    """3 encoder paths with cheap features, 2 decoder paths, weights moved off their init so
+    that paths and beams differ."""
+    model = _tiny("multipath_transformer", "--encoder-paths", "3", "--cheap-features",
+                  "--decoder-paths", "2")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model
+
+
 @pytest.mark.parametrize("arch", sorted(TABLE_2))
 def test_parameter_counts_within_1_5_percent_of_table_2(arch):
     total = parameter_counts(build_model(arch, PAPER_DICT_SIZE))["total"]
@@ -136,11 +147,7 @@ def test_invalid_path_count_is_a_clear_error():
 
 
 def test_incremental_decoding_with_beam_reordering_equals_full_forward():
-    model = _tiny("multipath_transformer", "--encoder-paths", "3", "--cheap-features",
-                  "--decoder-paths", "2")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    model = _perturbed_paths_model(0.1)
     pad = model.encoder.padding_idx
     src = torch.randint(4, 100, (2, 7))
     src[1, :2] = pad  # fairseq left-pads sources
@@ -188,11 +195,7 @@ def _beam_search(model, sample, share_encoder_keys):
 
 
 def test_beam_search_keeps_encoder_keys_per_sentence_and_does_not_reorder_them():
-    model = _tiny("multipath_transformer", "--encoder-paths", "3", "--cheap-features",
-                  "--decoder-paths", "2")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    model = _perturbed_paths_model(0.3)
     pad = model.encoder.padding_idx
     src = torch.randint(4, 100, (4, 9))
     src[1, :3] = pad

@@ -5,6 +5,7 @@ import pytest
 from multipath_nmt.recipe import (BASE, DEEP, RecipeError, batch_plan, criterion_for_arch,
                                   dictionary_files, embedding_sharing, gpu_precision_for_arch,
                                   recipe_for_arch)
+from conftest import dictionaries_only_data_bin
 
 
 def test_recipes_are_the_papers():
@@ -128,14 +129,6 @@ def test_non_positive_values_are_refused():
         batch_plan(BASE, 1, batch_tokens=-5)
 
 
-def _data_bin(folder, src, tgt, joined):
-    folder.mkdir()
-    (folder / f"dict.{src}.txt").write_text("a 3\nb 2\n")
-    (folder / f"dict.{tgt}.txt").write_text("a 3\nb 2\n" if joined else "c 3\n")
-    (folder / f"train.{src}-{tgt}.{src}.idx").write_bytes(b"")
-    return folder
-
-
 @pytest.mark.parametrize("src,tgt,joined,flags", [
     ("en", "de", True, ["--share-all-embeddings"]),   # Table 2: one joined, shared embedding
     ("de", "en", True, ["--share-all-embeddings"]),
@@ -144,14 +137,14 @@ def _data_bin(folder, src, tgt, joined):
     ("en", "ru", False, []),                          # differing dictionaries cannot be shared
 ])
 def test_embedding_sharing_auto(tmp_path, src, tgt, joined, flags):
-    files = dictionary_files(_data_bin(tmp_path / "bin", src, tgt, joined))
+    files = dictionary_files(dictionaries_only_data_bin(tmp_path / "bin", src, tgt, joined))
     assert [f.name for f in files] == [f"dict.{src}.txt", f"dict.{tgt}.txt"]
     assert embedding_sharing(files) == flags
 
 
 def test_embedding_sharing_choices_and_errors(tmp_path):
-    joined = dictionary_files(_data_bin(tmp_path / "joined", "en", "fr", True))
-    separate = dictionary_files(_data_bin(tmp_path / "separate", "en", "de", False))
+    joined = dictionary_files(dictionaries_only_data_bin(tmp_path / "joined", "en", "fr", True))
+    separate = dictionary_files(dictionaries_only_data_bin(tmp_path / "separate", "en", "de", False))
     assert embedding_sharing(joined, "shared") == ["--share-all-embeddings"]
     assert embedding_sharing(separate, "separate") == []
     with pytest.raises(RecipeError, match="--embeddings shared needs a joined dictionary, but "
@@ -161,7 +154,7 @@ def test_embedding_sharing_choices_and_errors(tmp_path):
         embedding_sharing(joined, "tied")
     with pytest.raises(RecipeError, match="has no dict.*.txt"):
         dictionary_files(tmp_path / "missing")
-    three = _data_bin(tmp_path / "three", "en", "de", True)
+    three = dictionaries_only_data_bin(tmp_path / "three", "en", "de", True)
     (three / "dict.fr.txt").write_text("a 1\n")
     (three / "train.en-de.en.idx").unlink()
     with pytest.raises(RecipeError, match="dictionaries for de, en, fr: pass --source-lang and "

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, USER_DIR, clean_env, run_cli
+from conftest import ROOT, TINY_MODEL, USER_DIR, clean_env, dictionaries_only_data_bin, run_cli
 
 import multipath_nmt  # noqa: F401  (safe checkpoint loading on torch >= 2.6)
 from fairseq import checkpoint_utils
@@ -151,14 +151,6 @@ def test_max_tokens_from_env_and_overrides_win(fake_data_bin):
     assert _flags(proc)[1]["--max-tokens"] == "1024"  # the command line wins over MAX_TOKENS
 
 
-def _two_dictionaries(folder, src, tgt, joined):
-    folder.mkdir()
-    (folder / f"dict.{src}.txt").write_text("a 1\n")
-    (folder / f"dict.{tgt}.txt").write_text("a 1\n" if joined else "b 1\n")
-    (folder / f"train.{src}-{tgt}.{src}.idx").write_bytes(b"")
-    return folder
-
-
 @pytest.mark.parametrize("src,tgt,joined,args,shared", [
     ("en", "de", True, [], True),           # the paper's En-De: one shared embedding
     ("en", "fr", True, [], False),          # Table 3's En-Fr sizes: nothing shared
@@ -167,7 +159,7 @@ def _two_dictionaries(folder, src, tgt, joined):
     ("en", "de", True, ["--embeddings=separate"], False),
 ])
 def test_embedding_sharing_follows_the_data_bin(tmp_path, src, tgt, joined, args, shared):
-    data_bin = _two_dictionaries(tmp_path / "bin", src, tgt, joined)
+    data_bin = dictionaries_only_data_bin(tmp_path / "bin", src, tgt, joined)
     proc = _dry_run(data_bin, "--arch", "transformer_prenorm_wmt_en_de", *args)
     _, flags = _flags(proc)
     assert ("--share-all-embeddings" in flags) == shared
