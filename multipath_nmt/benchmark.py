@@ -139,9 +139,9 @@ def fake_data_dir(vocab):
 
 def use_loop_reference(model, args):
     """Swap the model's batched multi-path encoder layers for the loop-over-modules reference
-    layers (``multipath_nmt.modules.multipath_reference``) holding the same weights."""
+    layers (``multipath_nmt.testing.multipath_reference``) holding the same weights."""
     from multipath_nmt.models.multipath_transformer import _path_options
-    from multipath_nmt.modules.multipath_reference import ReferenceMultiPathEncoderLayer
+    from multipath_nmt.testing.multipath_reference import ReferenceMultiPathEncoderLayer
 
     for index, layer in enumerate(model.encoder.layers):
         reference = ReferenceMultiPathEncoderLayer(
@@ -395,7 +395,7 @@ def layer_benchmarks(size, device, dtype, repeats, log=print):
     (WideNet's MoE: router + dispatch + combine vs the experts' own compute)."""
     from multipath_nmt.modules.moe import MoEFeedForward
     from multipath_nmt.modules.multipath import MultiPathEncoderLayer
-    from multipath_nmt.modules.multipath_reference import ReferenceMultiPathEncoderLayer
+    from multipath_nmt.testing.multipath_reference import ReferenceMultiPathEncoderLayer
 
     d, ffn, heads = size["dim"], size["ffn"], size["heads"]
     T, B = size["length"], size["batch"]

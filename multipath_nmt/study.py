@@ -263,7 +263,7 @@ def model_flags(system: System, ffn: Optional[int] = None) -> List[str]:
 
 def count_parameters(arch: str, flags: Sequence[str], dict_size: int) -> Dict[str, int]:
     """Total and active parameters as ``multipath-params`` counts them."""
-    from multipath_nmt.cli import params
+    from multipath_nmt import params
     return params.parameter_counts(params.build_model(arch, dict_size, flags))
 
 

@@ -12,7 +12,7 @@ from multipath_nmt.attention import (
     format_attention_calls,
     mark_decoder_self_attention,
 )
-from multipath_nmt.cli.params import build_model
+from multipath_nmt.params import build_model
 from multipath_nmt.modules.multipath import MultiPathAttention
 
 PAD = 1

@@ -187,7 +187,7 @@ def test_loop_reference_system_is_the_same_model_with_reference_layers():
     import torch
 
     from multipath_nmt import benchmark
-    from multipath_nmt.modules.multipath_reference import ReferenceMultiPathEncoderLayer
+    from multipath_nmt.testing.multipath_reference import ReferenceMultiPathEncoderLayer
 
     size = benchmark.SIZES["tiny"]
     system = next(s for s in benchmark.systems_for(size)

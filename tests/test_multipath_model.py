@@ -12,7 +12,7 @@ from fairseq import options
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
-from multipath_nmt.cli.params import build_model, parameter_counts
+from multipath_nmt.params import build_model, parameter_counts
 from multipath_nmt.models.multipath_transformer import PRESETS
 from multipath_nmt.modules.multipath import MultiPathDecoderLayer, MultiPathEncoderLayer
 

@@ -11,7 +11,7 @@ from multipath_nmt.modules.multipath import (
     PathMixer,
     _NormalizedSum,
 )
-from multipath_nmt.modules.multipath_reference import (
+from multipath_nmt.testing.multipath_reference import (
     ReferenceMultiPathDecoderLayer,
     ReferenceMultiPathEncoderLayer,
 )

@@ -10,13 +10,14 @@ from torch import nn
 import multipath_nmt.analysis.widenet as widenet
 from multipath_nmt.analysis.paths import path_diversity, path_weight_rows
 from multipath_nmt.cli import inspect as inspect_cli
+from multipath_nmt import params
 from multipath_nmt.cli import params as params_cli
 
 SMALL_DICT = 1000
 
 
 def test_plugin_architectures_are_ours_only():
-    archs = params_cli.plugin_architectures()
+    archs = params.plugin_architectures()
     assert {"multipath_transformer_wmt_en_de", "multipath_l6_p8_wmt_en_de",
             "transformer_prenorm_wmt_en_de", "transformer_deep48_wmt_en_de",
             "transformer_wide_wmt_en_de"} <= set(archs)
@@ -33,7 +34,7 @@ def test_active_parameters_subtract_inactive_parameter_count():
             return 30
 
     model = nn.Sequential(nn.Linear(3, 5), TopOneOfFour())
-    assert params_cli.parameter_counts(model) == {"total": 20 + 40, "active": 20 + 10}
+    assert params.parameter_counts(model) == {"total": 20 + 40, "active": 20 + 10}
 
 
 def test_params_table_counts_and_flops(capsys):
@@ -45,7 +46,7 @@ def test_params_table_counts_and_flops(capsys):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
             for line in table.splitlines() if line.startswith("| ") and "_wmt_en_de" in line}
     assert list(rows) == archs
-    base = params_cli.parameter_counts(params_cli.build_model(archs[0], SMALL_DICT))["total"]
+    base = params.parameter_counts(params.build_model(archs[0], SMALL_DICT))["total"]
     assert rows[archs[0]] == [f"{base / 1e6:.2f}", "=", rows[archs[0]][2]]
     # One more encoder layer's worth of weights per extra path or layer: the deep and the
     # multi-path encoder have the same size and the same matmuls, so the same FLOPs.
@@ -71,10 +72,10 @@ TABLE_3 = {
 @pytest.mark.parametrize("arch", sorted(TABLE_3))
 def test_en_fr_and_en_de_sizes_within_1_5_percent_of_table_3(arch):
     en_fr, en_de = TABLE_3[arch]
-    separate = params_cli.build_model(arch, EN_FR_TYPES, tgt_dict_size=EN_FR_TYPES)
-    joined = params_cli.build_model(arch, EN_DE_TYPES)
+    separate = params.build_model(arch, EN_FR_TYPES, tgt_dict_size=EN_FR_TYPES)
+    joined = params.build_model(arch, EN_DE_TYPES)
     for model, paper in ((separate, en_fr), (joined, en_de)):
-        total = params_cli.parameter_counts(model)["total"]
+        total = params.parameter_counts(model)["total"]
         assert abs(total / 1e6 - paper) / paper <= 0.015, (arch, total, paper)
 
 
@@ -82,14 +83,14 @@ def test_unshared_embeddings_are_three_matrices():
     """The arithmetic of docs/fidelity.md: 44,140,544 parameters outside the embeddings (base),
     plus 512 per row of the encoder input, decoder input and output projection matrices."""
     arch = "transformer_prenorm_wmt_en_de"
-    model = params_cli.build_model(arch, 43000, tgt_dict_size=EN_FR_TYPES)
+    model = params.build_model(arch, 43000, tgt_dict_size=EN_FR_TYPES)
     assert model.encoder.embed_tokens.weight.shape == (43000, 512)
     assert model.decoder.embed_tokens.weight.shape == (EN_FR_TYPES, 512)
     assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
-    assert params_cli.parameter_counts(model)["total"] == 44140544 + 512 * (43000 + 2 * EN_FR_TYPES)
-    shared = params_cli.build_model(arch, EN_DE_TYPES)
+    assert params.parameter_counts(model)["total"] == 44140544 + 512 * (43000 + 2 * EN_FR_TYPES)
+    shared = params.build_model(arch, EN_DE_TYPES)
     assert shared.encoder.embed_tokens.weight is shared.decoder.output_projection.weight
-    assert params_cli.parameter_counts(shared)["total"] == 44140544 + 512 * EN_DE_TYPES
+    assert params.parameter_counts(shared)["total"] == 44140544 + 512 * EN_DE_TYPES
 
 
 def _write_dictionary(path, types):
@@ -119,9 +120,9 @@ def test_params_from_a_data_bin_without_dictionaries_is_a_clear_error(tmp_path):
 
 
 def test_flops_are_measured_per_target_token():
-    model = params_cli.build_model("multipath_transformer", 100, TINY_MODEL, device="cpu")
-    flops_10 = params_cli.forward_flops_per_token(model, length=10)
-    flops_20 = params_cli.forward_flops_per_token(model, length=20)
+    model = params.build_model("multipath_transformer", 100, TINY_MODEL, device="cpu")
+    flops_10 = params.forward_flops_per_token(model, length=10)
+    flops_20 = params.forward_flops_per_token(model, length=20)
     # Projections cost the same per token; only attention grows with the length.
     assert flops_10 < flops_20 < 1.5 * flops_10
     # The output projection alone is 2 * d * |V| per target token.
@@ -140,7 +141,7 @@ def test_path_diversity():
 
 
 def _checkpoint(tmp_path, *flags):
-    model = params_cli.build_model("multipath_l6_p4_wmt_en_de", 100, [*TINY_MODEL, *flags],
+    model = params.build_model("multipath_l6_p4_wmt_en_de", 100, [*TINY_MODEL, *flags],
                                    device="cpu")
     mixer = model.encoder.layers[1].ffn_mixer
     with torch.no_grad():
@@ -203,7 +204,7 @@ def test_inspect_errors(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint file .*missing.pt"):
         inspect_cli.cli_main([str(tmp_path / "missing.pt")])
     # post-norm: neither multi-path sublayers nor LayerNorms before the FFN (Eq. 9)
-    model = params_cli.build_model("transformer", 100, TINY_MODEL, device="cpu")
+    model = params.build_model("transformer", 100, TINY_MODEL, device="cpu")
     path = tmp_path / "plain.pt"
     torch.save({"model": model.state_dict(), "cfg": None, "args": None,
                 "optimizer_history": [{"criterion_name": "c", "optimizer_name": "Adam",

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT, clean_env, run_cli
 from multipath_nmt import study
-from multipath_nmt.cli import params
+from multipath_nmt import params
 
 STUDY_SH = ROOT / "examples" / "multi30k" / "study.sh"
 

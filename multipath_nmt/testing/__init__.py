@@ -1,0 +1,1 @@
+"""Oracles for tests and the benchmark: readable reference forms of the fused modules."""
