@@ -15,12 +15,13 @@ _root_logging = (logging.getLogger().level, list(logging.getLogger().handlers))
 # one-line messages; nothing here uses that task.
 logging.getLogger("fairseq.tasks.text_to_speech").setLevel(logging.WARNING)
 
-from multipath_nmt import attention, compat, distributed, numerics  # noqa: E402
+from multipath_nmt import attention, compat, distributed, ewa_training, numerics  # noqa: E402
 
 compat.install()
 distributed.install()
 numerics.install()
 attention.install()
+ewa_training.install()
 
 if not _root_logging[1]:
     logging.getLogger().handlers[:] = []

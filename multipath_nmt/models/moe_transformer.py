@@ -40,8 +40,6 @@ from multipath_nmt.modules.parameternet import MODES, PROJECTIONS, ParameterNetF
 
 logger = logging.getLogger(__name__)
 
-ewa_training.install()
-
 ENCODER_FFNS = ("dense", "moe", "ewa", "parameternet")
 EWA_LAYER_PATTERNS = ("every-2", "last-4")
 # EWA share rate: the paper tunes it per model within 0.1-0.5 (Sec. 5) and gives no single value
