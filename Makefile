@@ -18,7 +18,10 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# The import contracts (.importlinter, docs/architecture.md) first: they take a second.
+# --no-cache: no .import_linter_cache directory in the checkout.
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -rs tests
 
 quickstart: install
