@@ -35,10 +35,11 @@ import os
 import pickle
 import re
 import sys
-import uuid
 import zipfile
 
 import torch
+
+from multipath_nmt import atomic_files
 
 logger = logging.getLogger(__name__)
 
@@ -348,11 +349,6 @@ def saved_at(state):
 
 # --- writing -------------------------------------------------------------------------------
 
-def temporary_path(path):
-    """A fresh name next to ``path``, matching ``<name>.*.tmp``."""
-    return f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-
-
 def _os_error(err):
     for candidate in (err, err.__cause__, err.__context__):
         if isinstance(candidate, OSError) and candidate.strerror:
@@ -372,44 +368,19 @@ def _reason(err):
 
 
 def write_atomically(path, write):
-    """Call ``write(binary_file)`` on a temporary file next to ``path``, fsync it and rename it
-    over ``path``. On any failure the temporary file is removed and ``path`` is left as it was;
-    errors become :class:`CheckpointSaveError`."""
-    path = str(path)
-    tmp = temporary_path(path)
+    """:func:`multipath_nmt.atomic_files.write_atomically` (``path`` is left as it was on any
+    failure, no temporary file stays behind), its errors as one :class:`CheckpointSaveError`."""
     try:
-        with open(tmp, "xb") as out:
-            write(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-        _fsync_folder(os.path.dirname(os.path.abspath(path)))
-    except BaseException as err:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(err, Exception) and not isinstance(err, CheckpointSaveError):
-            limit = " or raise the file-size limit (ulimit -f)" if _errno(err) == errno.EFBIG else ""
-            raise CheckpointSaveError(
-                path, f"could not be written ({_reason(err)}); the partial file was removed and "
-                      "the checkpoints saved before are unchanged. Free disk space (or keep fewer "
-                      f"checkpoints: --keep-last-epochs, --keep-interval-updates){limit} and run the "
-                      "same command again") from err
+        atomic_files.write_atomically(path, write)
+    except CheckpointSaveError:
         raise
-
-
-def _fsync_folder(folder):
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    except Exception as err:
+        limit = " or raise the file-size limit (ulimit -f)" if _errno(err) == errno.EFBIG else ""
+        raise CheckpointSaveError(
+            str(path), f"could not be written ({_reason(err)}); the partial file was removed and "
+                       "the checkpoints saved before are unchanged. Free disk space (or keep fewer "
+                       f"checkpoints: --keep-last-epochs, --keep-interval-updates){limit} and run the "
+                       "same command again") from err
 
 
 def save_atomically(obj, path):
