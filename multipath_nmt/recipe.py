@@ -1,6 +1,8 @@
-"""The Multi-Path Transformer paper's training recipe (Lin et al., 2022, Sec. 4.1) for
-``scripts/train.sh``: learning rate, warm-up and batch per architecture family, the batch split
-over GPUs, and which embeddings are shared.
+"""The Multi-Path Transformer paper's training recipe (Lin et al., 2022, Sec. 4.1) and our
+decoding defaults, as the fairseq-train and fairseq-generate command lines that
+``scripts/train.sh``, ``scripts/translate.sh`` and the Multi30k study run: learning rate, warm-up
+and batch per architecture family, the batch split over GPUs, which embeddings are shared, and
+the device flags.
 
 Batch: the paper trains with "4,096" (base) and "8,192" (deep and multi-path) tokens "on 8
 GPUs". We read these as tokens per GPU, as in the authors' fairseq scripts, so the global batch,
@@ -11,19 +13,24 @@ Embeddings: Table 2's En-De sizes are one joined dictionary with every embedding
 En-Fr sizes (111M / 168M) need about 130,800 embedding rows of 512, i.e. three unshared matrices
 of about 43,600 types (docs/fidelity.md has the arithmetic), so En-Fr shares nothing.
 
-This module imports neither fairseq nor the package (``train.sh`` runs it as a script with
-``runpy`` to stay fast); run it with ``--help`` for its shell interface.
+This module imports neither fairseq nor the package: the shell scripts run it as a script with
+``runpy`` (see :func:`shell_main`), which starts in a fraction of the seconds fairseq's import
+takes.
 """
-import argparse
 import filecmp
 import math
 import os
+import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
+# The plug-in folder for fairseq's --user-dir (multipath_nmt.USER_DIR, found here without
+# importing the package).
+USER_DIR = os.path.dirname(os.path.abspath(__file__))
 # The paper's set-up: "on 8 GPUs", with the per-GPU batch of each recipe.
 PAPER_GPUS = 8
 # max-tokens when the user gives none: the authors' per-GPU micro-batch (their deep recipe
@@ -37,7 +44,7 @@ UNSHARED_LANGUAGE_PAIRS = ({"en", "fr"},)
 
 
 class RecipeError(ValueError):
-    """A request train.sh cannot turn into the recipe (the message says why and what to do)."""
+    """A request that cannot be turned into a command (the message says why and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -217,40 +224,189 @@ def _positive_int(name: str, text: Optional[str]) -> Optional[int]:
     return int(text)
 
 
+@dataclass(frozen=True)
+class Command:
+    """A fairseq command line and the lines train.sh / translate.sh print before running it."""
+    argv: List[str]
+    notes: List[str]
+
+
+# train.sh's own flags (the batch and the embeddings): read here, not passed on to fairseq.
+TRAIN_SH_FLAGS = {"--max-tokens": "max_tokens", "--batch-tokens": "batch_tokens",
+                  "--embeddings": "embeddings"}
+# fairseq-train's flags that the recipe reads too: passed on unchanged.
+READ_FAIRSEQ_FLAGS = {"--update-freq": "update_freq", "--source-lang": "source_lang",
+                      "-s": "source_lang", "--target-lang": "target_lang", "-t": "target_lang"}
+_VALUE_FLAGS = ("--arch", "-a", *TRAIN_SH_FLAGS, *READ_FAIRSEQ_FLAGS)
+_LENGTH_FLAGS = ("--max-update", "--max-epoch", "--stop-time-hours")
+
+
+def _train_arguments(args: Sequence[str]) -> Tuple[str, dict, List[str]]:
+    """train.sh's arguments -> the arch, the recipe's options, the arguments for fairseq-train.
+    A flag's value is the next word (``--flag VALUE``) or follows ``=`` (``--flag=VALUE``)."""
+    arch, options, passed_on = "", {}, []
+    words = [str(a) for a in args]
+    while words:
+        word = words.pop(0)
+        name, equals, value = word.partition("=")
+        if not (equals and name.startswith("--")):
+            if word not in _VALUE_FLAGS:
+                passed_on.append(word)
+                continue
+            if not words or words[0].startswith("--"):
+                raise RecipeError(f"{word} needs a value")
+            name, value = word, words.pop(0)
+        if name in ("--arch", "-a"):
+            arch = value
+        elif name in TRAIN_SH_FLAGS:
+            options[TRAIN_SH_FLAGS[name]] = value
+        else:
+            passed_on += [word] if equals else [name, value]
+            if name in READ_FAIRSEQ_FLAGS:
+                options[READ_FAIRSEQ_FLAGS[name]] = value
+    return arch, options, passed_on
+
+
+def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] = None,
+                  python: str = sys.executable) -> Command:
+    """fairseq-train's command line with the paper's recipe, for train.sh's arguments ``args``:
+    ``--arch ARCH``, train.sh's own ``--max-tokens N`` (a cap), ``--batch-tokens N`` and
+    ``--embeddings auto|shared|separate``, and fairseq-train arguments, which come after the
+    recipe and so override it. ``gpus`` (default: :func:`gpu_count`): the command trains on that
+    many GPUs in mixed precision, or on the CPU in fp32 when it is 0."""
+    arch, options, passed_on = _train_arguments(args)
+    if not arch:
+        raise RecipeError("--arch ARCH is required (e.g. transformer_prenorm_wmt_en_de, "
+                          "multipath_transformer_wmt_en_de)")
+    recipe = recipe_for_arch(arch)
+    dictionaries = dictionary_files(Path(data_bin), options.get("source_lang"),
+                                    options.get("target_lang"))
+    sharing = embedding_sharing(dictionaries, options.get("embeddings", "auto"))
+    gpus = gpu_count() if gpus is None else gpus
+    plan = batch_plan(recipe, gpus, _positive_int("max-tokens", options.get("max_tokens")),
+                      _positive_int("--batch-tokens", options.get("batch_tokens")),
+                      _positive_int("--update-freq", options.get("update_freq")))
+    if gpus:
+        precision = gpu_precision_for_arch(arch)
+        device = [precision, "--distributed-world-size", str(gpus)]
+        notes = [f"{gpus} GPU(s), mixed precision ({precision})"]
+    else:
+        device = ["--cpu"]
+        notes = ["no CUDA device found, training in fp32 on the CPU (--cpu, no --fp16)"]
+    shared = ("all shared (joined dictionary)" if sharing else
+              "nothing shared (encoder input, decoder input, output projection)")
+    notes += [f"{recipe.name} recipe for {arch}: lr {recipe.lr}, {recipe.warmup_updates} warmup "
+              f"updates",
+              f"batch: {plan.arithmetic()}",
+              f"embeddings: {shared} for {', '.join(d.name for d in dictionaries)}"]
+    if not any(word.startswith(_LENGTH_FLAGS) for word in passed_on):
+        notes.append("note: no --max-update, --max-epoch or --stop-time-hours: fairseq trains "
+                     "until stopped (the paper gives no length)")
+    argv = [python, "-m", "fairseq_cli.train", str(data_bin), "--user-dir", USER_DIR,
+            "--arch", arch, *sharing,
+            "--optimizer", "adam_fused", "--adam-betas", "(0.9, 0.997)", "--clip-norm", "0.0",
+            "--lr", recipe.lr, "--lr-scheduler", "inverse_sqrt",
+            "--warmup-updates", str(recipe.warmup_updates), "--warmup-init-lr", "1e-07",
+            "--criterion", criterion_for_arch(arch), "--label-smoothing", "0.1",
+            "--max-tokens", str(plan.max_tokens), "--update-freq", str(plan.update_freq),
+            "--save-dir", str(save_dir), "--keep-last-epochs", "10",
+            *device, *passed_on]
+    return Command(argv, notes)
+
+
+# Our decoding (beam 4 and lenpen 0.6 are our choice, docs/fidelity.md), BPE removed.
+DECODING = ["--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--remove-bpe",
+            "--max-tokens", "4096"]
+
+
+def generate_command(data_bin, checkpoint, args: Sequence[str] = (), gpus: Optional[int] = None,
+                     python: str = sys.executable) -> Command:
+    """fairseq-generate's command line with our decoding defaults, for translate.sh's arguments
+    ``args``: fairseq-generate arguments, which come after the defaults and so override them,
+    and ``--fp32``. ``gpus`` (default: :func:`gpu_count`): 0 decodes on the CPU, more on a GPU
+    in fp16 as the models are trained (``--fp32``: in fp32)."""
+    passed_on = [str(a) for a in args if a != "--fp32"]
+    gpus = gpu_count() if gpus is None else gpus
+    if not gpus:
+        notes, device = ["no CUDA device, decoding on the CPU"], ["--cpu"]
+    elif "--fp32" in args:
+        notes, device = ["decoding on the GPU in fp32 (--fp32)"], []
+    else:
+        notes, device = ["decoding on the GPU in fp16 (--fp16)"], ["--fp16"]
+    argv = [python, "-m", "fairseq_cli.generate", str(data_bin), "--user-dir", USER_DIR,
+            "--path", str(checkpoint), *DECODING, *device, *passed_on]
+    return Command(argv, notes)
+
+
+def finish_translation(out_prefix) -> int:
+    """``OUT.generate.tmp`` (fairseq-generate's output) -> ``OUT.generate`` when its last line
+    says that fairseq-generate finished, then the hypotheses (all of them with --nbest) and the
+    references sorted by sentence id, as ``OUT.hyp`` and ``OUT.ref``; the number of hypotheses.
+    Works on bytes, as the text is fairseq's and not ours to decode."""
+    out = str(out_prefix)
+    partial = out + ".generate.tmp"
+    with open(partial, "rb") as f:
+        lines = f.read().split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    if not lines or not re.match(rb"Generate .* with beam=", lines[-1]):
+        raise RecipeError(f"fairseq-generate did not finish; partial output left in {partial}")
+    os.replace(partial, out + ".generate")
+
+    def by_id(kind: bytes, first_field: int) -> List[bytes]:
+        # "H-<id>\t<score>\t<text>", "T-<id>\t<text>" in batch order; a stable sort by id
+        fields = [line[2:].split(b"\t") for line in lines if line.startswith(kind + b"-")]
+        fields.sort(key=lambda f: int(f[0]))
+        return [b"\t".join(f[first_field:]) + b"\n" for f in fields]
+
+    hypotheses = by_id(b"H", 2)
+    for suffix, text in ((".hyp", hypotheses), (".ref", by_id(b"T", 1))):
+        with open(out + suffix, "wb") as f:
+            f.writelines(text)
+    return len(hypotheses)
+
+
+def _train_sh(args: List[str], dry_run: bool) -> None:
+    data_bin, save_dir, args = args[0], args[1], args[2:]
+    if os.environ.get("MAX_TOKENS"):  # a cap that the command line's --max-tokens replaces
+        args = [f"--max-tokens={os.environ['MAX_TOKENS']}", *args]
+    command = train_command(data_bin, save_dir, args)
+    for line in command.notes + [shlex.join(command.argv)]:
+        print(f"train.sh: {line}", flush=True)
+    if not dry_run:
+        os.makedirs(save_dir, exist_ok=True)
+        os.execv(command.argv[0], command.argv)
+
+
+def _translate_sh(args: List[str], dry_run: bool) -> None:
+    data_bin, checkpoint, out, args = args[0], args[1], args[2], args[3:]
+    command = generate_command(data_bin, checkpoint, args)
+    for line in command.notes + [f"{shlex.join(command.argv)} > {out}.generate"]:
+        print(f"translate.sh: {line}", flush=True)
+    if dry_run:
+        return
+    with open(f"{out}.generate.tmp", "wb") as generated:
+        code = subprocess.call(command.argv, stdout=generated)
+    if code:
+        sys.exit(code)
+    count = finish_translation(out)
+    print(f"translate.sh: wrote {out}.generate, {out}.hyp ({count} lines) and {out}.ref")
+
+
 def shell_main(argv=None):
-    """For train.sh: print shell assignments (recipe, batch, flags) or one error line."""
-    parser = argparse.ArgumentParser(prog="train.sh", description=shell_main.__doc__)
-    parser.add_argument("--arch", required=True)
-    parser.add_argument("--data-bin", type=Path, required=True)
-    parser.add_argument("--max-tokens")
-    parser.add_argument("--batch-tokens")
-    parser.add_argument("--update-freq")
-    parser.add_argument("--embeddings", default="auto")
-    parser.add_argument("--source-lang")
-    parser.add_argument("--target-lang")
-    args = parser.parse_args(argv)
+    """train.sh and translate.sh (``train.sh DATA_BIN SAVE_DIR ARGS...`` or ``translate.sh
+    DATA_BIN CHECKPOINT OUT ARGS...``): print the plan and the command, then run it (train.sh
+    becomes fairseq-train; translate.sh writes OUT.generate, OUT.hyp and OUT.ref) unless
+    ``--dry-run`` is among the arguments; one error line and exit 1 on a bad request."""
+    tool, *args = sys.argv[1:] if argv is None else argv
+    run = {"train.sh": _train_sh, "translate.sh": _translate_sh}[tool]
     try:
-        recipe = recipe_for_arch(args.arch)
-        dictionaries = dictionary_files(args.data_bin, args.source_lang, args.target_lang)
-        sharing = embedding_sharing(dictionaries, args.embeddings)
-        gpus = gpu_count()
-        plan = batch_plan(recipe, gpus, _positive_int("max-tokens", args.max_tokens),
-                          _positive_int("--batch-tokens", args.batch_tokens),
-                          _positive_int("--update-freq", args.update_freq))
+        run([a for a in args if a != "--dry-run"], "--dry-run" in args)
     except RecipeError as error:
-        sys.exit(f"train.sh: error: {error}")
+        sys.exit(f"{tool}: error: {error}")
     except ImportError as error:
-        sys.exit(f"train.sh: error: cannot count GPUs ({error}); activate the environment or set PYTHON")
-    values = {"user_dir": os.path.dirname(os.path.abspath(__file__)), "gpus": gpus,
-              "recipe": recipe.name, "lr": recipe.lr, "warmup": recipe.warmup_updates,
-              "criterion": criterion_for_arch(args.arch),
-              "gpu_precision": gpu_precision_for_arch(args.arch), "max_tokens": plan.max_tokens,
-              "update_freq": plan.update_freq, "batch_line": plan.arithmetic(),
-              "sharing_line": ("embeddings: " + ("all shared (joined dictionary)" if sharing else
-                               "nothing shared (encoder input, decoder input, output projection)")
-                               + f" for {', '.join(d.name for d in dictionaries)}")}
-    print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
-    print(f"sharing=({' '.join(sharing)})")
+        sys.exit(f"{tool}: error: cannot count GPUs ({error}); activate the environment or set "
+                 "PYTHON")
 
 
 if __name__ == "__main__":
