@@ -20,18 +20,19 @@ setup(
         "sacrebleu>=2.3",
         "matplotlib>=3.7",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    # import-linter checks the layering of docs/architecture.md (.importlinter, make test)
+    extras_require={"test": ["pytest>=7", "import-linter>=2.1"]},
     entry_points={
         "console_scripts": [
-            "multipath-average=multipath_nmt.cli.average:cli_main",
-            "multipath-score=multipath_nmt.cli.score:cli_main",
-            "multipath-params=multipath_nmt.cli.params:cli_main",
-            "multipath-inspect=multipath_nmt.cli.inspect:cli_main",
-            "multipath-convert-ewa=multipath_nmt.cli.convert_ewa:cli_main",
-            "multipath-plot-log=multipath_nmt.cli.plot_log:cli_main",
-            "multipath-bench=multipath_nmt.cli.bench:cli_main",
-            "multipath-prepare=multipath_nmt.cli.prepare:cli_main",
-            "multipath-make-corpus=multipath_nmt.cli.make_corpus:cli_main",
+            "multipath-average=multipath_nmt.cli.average:main",
+            "multipath-score=multipath_nmt.cli.score:main",
+            "multipath-params=multipath_nmt.cli.params:main",
+            "multipath-inspect=multipath_nmt.cli.inspect:main",
+            "multipath-convert-ewa=multipath_nmt.cli.convert_ewa:main",
+            "multipath-plot-log=multipath_nmt.cli.plot_log:main",
+            "multipath-bench=multipath_nmt.cli.bench:main",
+            "multipath-prepare=multipath_nmt.cli.prepare:main",
+            "multipath-make-corpus=multipath_nmt.cli.make_corpus:main",
         ]
     },
 )

@@ -46,6 +46,25 @@ def last_n_checkpoints(folder, n: int, update_based: bool, upper_bound: Optional
     return [os.path.join(folder, name) for _, name in sorted(entries, reverse=True)[:n]]
 
 
+
+def select_checkpoints(inputs: List[str], num_epoch_checkpoints: Optional[int] = None,
+                       num_update_checkpoints: Optional[int] = None,
+                       upper_bound: Optional[int] = None) -> List[str]:
+    """The files to average, chosen as fairseq's script chooses them: ``inputs`` themselves, or
+    with a ``num_*_checkpoints`` count the newest checkpoints of the one directory ``inputs``
+    names (at or below ``upper_bound``), newest first."""
+    update_based = num_update_checkpoints is not None
+    num = num_update_checkpoints if update_based else num_epoch_checkpoints
+    if num is not None:
+        if len(inputs) != 1:
+            raise AveragingError("--num-epoch-checkpoints/--num-update-checkpoints take one "
+                                 f"directory as --inputs, got {len(inputs)} paths")
+        return last_n_checkpoints(inputs[0], num, update_based=update_based, upper_bound=upper_bound)
+    if upper_bound is not None:
+        raise AveragingError("--checkpoint-upper-bound needs --num-epoch-checkpoints or "
+                             "--num-update-checkpoints")
+    return list(inputs)
+
 def _arch(state) -> Optional[str]:
     model_cfg = state["cfg"]["model"] if state.get("cfg") is not None else state.get("args")
     for attr in ("arch", "_name"):

@@ -211,3 +211,57 @@ def sacrebleu_score(hyps: Sequence[str], ref_streams: Sequence[Sequence[str]]):
     """Default (13a, mixed case) corpus sacreBLEU on detokenized text: (score, signature)."""
     bleu = sacrebleu.BLEU()
     return bleu.corpus_score(list(hyps), [list(r) for r in ref_streams]), bleu.get_signature()
+
+
+@dataclass
+class BleuScores:
+    """Both scores of one system output: ``multi_bleu`` on the tokenized text (``str()`` of it
+    is the line multi-bleu.perl prints) and corpus sacreBLEU (0-100) with its signature."""
+    multi_bleu: MultiBleu
+    sacrebleu: float
+    signature: str
+
+    @property
+    def bleu(self) -> float:
+        """Tokenized BLEU in 0-100, unrounded (multi-bleu.perl prints it with two decimals)."""
+        return 100 * self.multi_bleu.bleu
+
+
+def score_files(hyp_path, ref_stem, raw_refs: Optional[Sequence] = None, compound=False,
+                lowercase=False, lang: Optional[str] = None) -> BleuScores:
+    """Score a tokenized hypothesis file against the references multi-bleu.perl finds for
+    ``ref_stem``; sacreBLEU as :func:`score_translations` computes it."""
+    stats = multi_bleu_files(hyp_path, ref_stem, lowercase=lowercase, compound=compound)
+    ref_streams = [read_references(p) for p in reference_paths(ref_stem)]
+    return score_translations(stats, read_references(hyp_path), ref_streams, raw_refs, lang)
+
+
+def score_generate_output(path, hyp_field: str = "H", raw_refs: Optional[Sequence] = None,
+                          compound=False, lowercase=False, lang: Optional[str] = None) -> BleuScores:
+    """Score fairseq-generate output (its T- references, hypotheses from ``hyp_field`` lines);
+    sacreBLEU as :func:`score_translations` computes it."""
+    hyps, refs = read_generate_output(path, hyp_field)
+    hyp_bytes = "".join(h + "\n" for h in hyps).encode("utf-8", "surrogateescape")
+    ref_bytes = "".join(r + "\n" for r in refs).encode("utf-8", "surrogateescape")
+    if compound:
+        hyp_bytes, ref_bytes = compound_split(hyp_bytes), compound_split(ref_bytes)
+    stats = multi_bleu(perl_lines(hyp_bytes), [perl_lines(ref_bytes)], lowercase=lowercase)
+    return score_translations(stats, hyps, [refs], raw_refs, lang)
+
+
+def score_translations(stats: MultiBleu, hyps: Sequence[str], ref_streams: Sequence[Sequence[str]],
+                       raw_refs: Optional[Sequence] = None, lang: Optional[str] = None) -> BleuScores:
+    """Add sacreBLEU to the multi-bleu ``stats`` of tokenized ``hyps``: the hypotheses
+    Moses-detokenized for ``lang`` (as given without it) against ``raw_refs``, the reference
+    files as released, or without them against the tokenized ``ref_streams`` detokenized (a
+    score not comparable to published sacreBLEU)."""
+    if raw_refs:
+        raw_streams = [read_references(p) for p in raw_refs]
+        for path, stream in zip(raw_refs, raw_streams):
+            if len(stream) != len(hyps):
+                raise ScoringError(f"--raw-ref {path} has {len(stream)} references but there are "
+                                   f"{len(hyps)} hypotheses; give the released test set they translate")
+    else:
+        raw_streams = [detokenize(r, lang) for r in ref_streams]
+    sacre, signature = sacrebleu_score(detokenize(hyps, lang), raw_streams)
+    return BleuScores(stats, sacre.score, str(signature))

@@ -1,7 +1,6 @@
 """multipath-average: exact float64 mean of real fairseq checkpoints, fairseq's file selection,
 atomic output that fairseq-generate loads, and clear refusals."""
 import collections
-import io
 import sys
 
 import pytest
@@ -10,9 +9,8 @@ import torch
 from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, clean_env, run_cli, run_fairseq
 
 from multipath_nmt import averaging
-from multipath_nmt.cli.average import average, get_parser
-from multipath_nmt.cli.score import get_parser as get_score_parser, score
-from multipath_nmt.scoring import multi_bleu_files
+from multipath_nmt.cli.average import average, build_parser
+from multipath_nmt.scoring import multi_bleu_files, score_generate_output
 from fairseq import checkpoint_utils
 
 pytestmark = pytest.mark.slow  # every test here uses a real fairseq-train run
@@ -33,7 +31,7 @@ def _model(path):
 
 
 def _average(*argv):
-    return average(get_parser().parse_args([str(a) for a in argv]))
+    return average(build_parser().parse_args([str(a) for a in argv]))
 
 
 def test_average_is_the_exact_mean(run_dir, tmp_path):
@@ -89,8 +87,7 @@ def test_average_sh_and_generate_load_the_result(run_dir, toy_data_bin, tmp_path
              if line.startswith("T-")}
     assert refs == [by_id[i] for i in range(40)]
     # ... and the scorer reads the same generate output (sorted by id) into the same files.
-    stats = score(get_score_parser().parse_args(["--generate-output", str(prefix.parent / "test.generate")]),
-                  out=io.StringIO())
+    stats = score_generate_output(prefix.parent / "test.generate").multi_bleu
     assert stats == multi_bleu_files(prefix.parent / "test.hyp", prefix.parent / "test.ref")
 
 

@@ -6,8 +6,10 @@ import os
 import pytest
 import torch
 
-from multipath_nmt.cli.convert_ewa import cli_main, convert_ewa_checkpoint, NotAnEWACheckpoint
 from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_cli, run_fairseq
+
+from multipath_nmt.cli.convert_ewa import main
+from multipath_nmt.ewa_folding import NotAnEWACheckpoint, convert_ewa_checkpoint, fold_state_dict
 
 GENERATE = ["--gen-subset", "test", "--beam", "2", "--max-len-a", "0", "--max-len-b", "8",
             "--batch-size", "20", "--cpu", "--no-progress-bar"]
@@ -83,7 +85,7 @@ def test_refuses_a_non_ewa_checkpoint(ewa_checkpoint, tmp_path, capsys):
                        _name="multipath_transformer", encoder_ffn=None)
     out = tmp_path / "out.pt"
     with pytest.raises(SystemExit) as exit_info:
-        cli_main([str(other), str(out)])
+        main([str(other), str(out)])
     assert "is not an EWA model" in str(exit_info.value)
     assert "multipath_transformer" in str(exit_info.value)
     assert not out.exists() and os.listdir(tmp_path) == ["multipath.pt"]
@@ -99,7 +101,7 @@ def test_refuses_an_early_ewa_checkpoint(ewa_checkpoint, tmp_path):
 
 def test_missing_input_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no such checkpoint file"):
-        cli_main([str(tmp_path / "nope.pt"), str(tmp_path / "out.pt")])
+        main([str(tmp_path / "nope.pt"), str(tmp_path / "out.pt")])
 
 
 def _build_model(data, *flags, with_cfg=False):
@@ -160,8 +162,6 @@ def test_unknown_layer_pattern_fails_at_build_time():
 
 
 def test_fold_drops_the_fp32_copies_of_half_precision_experts():
-    from multipath_nmt.cli.convert_ewa import fold_state_dict
-
     experts = torch.arange(8.0).view(2, 4).half()  # E = 2 experts of 4 values
     dense = torch.ones(4)
     folded = fold_state_dict({

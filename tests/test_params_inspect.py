@@ -1,5 +1,4 @@
 """multipath-params and multipath-inspect."""
-import importlib.util
 import itertools
 
 import pytest
@@ -40,7 +39,7 @@ def test_active_parameters_subtract_inactive_parameter_count():
 def test_params_table_counts_and_flops(capsys):
     archs = ["transformer_prenorm_wmt_en_de", "transformer_deep12_wmt_en_de",
              "multipath_l6_p2_wmt_en_de"]
-    params_cli.cli_main(["--dict-size", str(SMALL_DICT), *itertools.chain.from_iterable(
+    params_cli.main(["--dict-size", str(SMALL_DICT), *itertools.chain.from_iterable(
         ("--arch", arch) for arch in archs)])
     table = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
@@ -106,7 +105,7 @@ def test_params_from_a_data_bin_as_train_sh_builds_it(tmp_path, capsys, src, tgt
     _write_dictionary(tmp_path / f"dict.{src}.txt", 1000)  # + 4 special symbols
     _write_dictionary(tmp_path / f"dict.{tgt}.txt", 1000 if joined else 500)
     (tmp_path / f"train.{src}-{tgt}.{src}.idx").write_bytes(b"")
-    params_cli.cli_main(["--data-bin", str(tmp_path), "--arch", "transformer_prenorm_wmt_en_de"])
+    params_cli.main(["--data-bin", str(tmp_path), "--arch", "transformer_prenorm_wmt_en_de"])
     out = capsys.readouterr().out
     assert out.startswith(header)
     unshared = 1004 + 2 * (1004 if joined else 504)
@@ -116,7 +115,7 @@ def test_params_from_a_data_bin_as_train_sh_builds_it(tmp_path, capsys, src, tgt
 
 def test_params_from_a_data_bin_without_dictionaries_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="has no dict.*.txt: give the data-bin folder"):
-        params_cli.cli_main(["--data-bin", str(tmp_path), "--arch", "transformer_prenorm_wmt_en_de"])
+        params_cli.main(["--data-bin", str(tmp_path), "--arch", "transformer_prenorm_wmt_en_de"])
 
 
 def test_flops_are_measured_per_target_token():
@@ -131,7 +130,7 @@ def test_flops_are_measured_per_target_token():
 
 def test_params_unknown_arch_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown architecture.*no_such_arch"):
-        params_cli.cli_main(["--arch", "no_such_arch", "--dict-size", str(SMALL_DICT)])
+        params_cli.main(["--arch", "no_such_arch", "--dict-size", str(SMALL_DICT)])
 
 
 def test_path_diversity():
@@ -174,7 +173,7 @@ def test_inspect_reports_alphas_beta_and_diversity(tmp_path, capsys):
     assert rows[4]["num_paths"] == 2
 
     plot = tmp_path / "diversity.png"
-    inspect_cli.cli_main([str(path), "--plot", str(plot)])
+    inspect_cli.main([str(path), "--plot", str(plot)])
     out = capsys.readouterr().out
     assert "| encoder | 2 | ffn | 4 | 0.3000, 0.1000, 0.2000, 0.2000, 0.3536" in out
     assert f"| 0.9000 | {row['diversity']:.4f} |" in out
@@ -188,21 +187,15 @@ def test_inspect_prints_widenet_rows_when_available(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(widenet, "layernorm_divergence",
                         lambda state_dict: [{"stack": "encoder", "layer": 0,
                                              "attention_gamma": 0.125}])
-    inspect_cli.cli_main([str(path)])
+    inspect_cli.main([str(path)])
     out = capsys.readouterr().out
     assert "LayerNorm divergence per encoder block" in out
     assert "| encoder | 0 | 0.1250 |" in out
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.endswith(
-        ".widenet") else real_find_spec(name, *a))
-    inspect_cli.cli_main([str(path)])
-    assert "WideNet" not in capsys.readouterr().out
-
 
 def test_inspect_errors(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint file .*missing.pt"):
-        inspect_cli.cli_main([str(tmp_path / "missing.pt")])
+        inspect_cli.main([str(tmp_path / "missing.pt")])
     # post-norm: neither multi-path sublayers nor LayerNorms before the FFN (Eq. 9)
     model = params.build_model("transformer", 100, TINY_MODEL, device="cpu")
     path = tmp_path / "plain.pt"
@@ -211,4 +204,4 @@ def test_inspect_errors(tmp_path):
                                        "num_updates": 0, "lr_scheduler_state": {}}],
                 "extra_state": {"train_iterator": {"epoch": 1}}}, path)
     with pytest.raises(SystemExit, match="no multi-path sublayers"):
-        inspect_cli.cli_main([str(path)])
+        inspect_cli.main([str(path)])

@@ -5,7 +5,8 @@ import pytest
 
 from conftest import ROOT, run_cli
 
-from multipath_nmt.cli.plot_log import PlotLogError, get_parser, main, parse_log
+from multipath_nmt.cli.plot_log import build_parser, plot
+from multipath_nmt.training_log import PlotLogError, parse_log
 
 FIXTURES = ROOT / "tests" / "fixtures"
 
@@ -26,8 +27,8 @@ def test_parse_real_logs(name):
 
 def test_png_written(tmp_path):
     out = tmp_path / "curves.png"
-    logs = main(get_parser().parse_args([str(FIXTURES / "train_simple.log"), str(FIXTURES / "train_json.log"),
-                                         "--labels", "Base", "Multi-Path", "--out", str(out)]))
+    logs = plot(build_parser().parse_args([str(FIXTURES / "train_simple.log"), str(FIXTURES / "train_json.log"),
+                                           "--labels", "Base", "Multi-Path", "--out", str(out)]))
     assert [label for label, _ in logs] == ["Base", "Multi-Path"]
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10000
@@ -46,7 +47,7 @@ def test_log_without_losses_refused(tmp_path):
 
 
 def test_label_count_must_match(tmp_path):
-    args = get_parser().parse_args([str(FIXTURES / "train_simple.log"), "--labels", "a", "b",
-                                    "--out", str(tmp_path / "x.png")])
+    args = build_parser().parse_args([str(FIXTURES / "train_simple.log"), "--labels", "a", "b",
+                                      "--out", str(tmp_path / "x.png")])
     with pytest.raises(PlotLogError, match="2 --labels for 1 logs"):
-        main(args)
+        plot(args)

@@ -17,7 +17,7 @@ from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
-from multipath_nmt.cli.prepare import cli_main
+from multipath_nmt.cli.prepare import main
 from multipath_nmt.pipeline import prepare
 from multipath_nmt.pipeline.prepare import (
     PrepareError, clean_pair, compare_with_table1, extract_members, fetch, mirror_url, moses_tokenize,
@@ -420,7 +420,7 @@ def test_interrupted_stage_restarts_and_finished_stages_are_skipped(small_corpus
 
 def run_main(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli_main([str(a) for a in argv])
+        main([str(a) for a in argv])
     assert exit_info.value.code != 0
     return capsys.readouterr().err
 

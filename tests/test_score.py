@@ -14,7 +14,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 from conftest import ROOT, clean_env, run_cli
 
 from multipath_nmt import scoring
-from multipath_nmt.cli.score import get_parser, score
+from multipath_nmt.cli.score import build_parser, score
 
 MULTI_BLEU = ROOT / "tests" / "fixtures" / "multi-bleu.perl"
 needs_perl = pytest.mark.skipif(shutil.which("perl") is None, reason="perl not installed")
@@ -66,7 +66,7 @@ def _perl(hyp, ref, *flags, compound=False):
 
 
 def _ours(hyp, ref, *flags):
-    args = get_parser().parse_args(["--sys", str(hyp), "--ref", str(ref), *flags])
+    args = build_parser().parse_args(["--sys", str(hyp), "--ref", str(ref), *flags])
     out = io.StringIO()
     score(args, out=out)
     return out.getvalue().splitlines()
@@ -165,7 +165,7 @@ def test_exact_numbers_and_sacrebleu_line(tmp_path):
 
 def test_sacrebleu_detokenizes_for_lang(tmp_path):
     hyp, ref = _write(tmp_path, b"Das ist &quot; gut &quot; .\n", [b'Das ist " gut " .\n'])
-    args = get_parser().parse_args(["--sys", str(hyp), "--ref", str(ref), "--lang", "de"])
+    args = build_parser().parse_args(["--sys", str(hyp), "--ref", str(ref), "--lang", "de"])
     out = io.StringIO()
     score(args, out=out)
     assert out.getvalue().splitlines()[1].startswith("sacreBLEU = 100.00 |")
@@ -210,7 +210,7 @@ def test_sacrebleu_uses_the_released_references(tmp_path):
         argv = ["--generate-output", str(gen), "--compound-split", "--lang", "de"]
         argv += ["--raw-ref", str(raw)] if raw else []
         out = io.StringIO()
-        stats = score(get_parser().parse_args(argv), out=out)
+        stats = score(build_parser().parse_args(argv), out=out)
         lines[raw] = out.getvalue().splitlines()
         assert stats.ref_len == sum(len(scoring.compound_split(r.encode()).split()) for r in tokenized_refs)
     for raw in (sgm, tmp_path / "test.raw.de"):
@@ -223,7 +223,7 @@ def test_sacrebleu_uses_the_released_references(tmp_path):
 
     with pytest.raises(scoring.ScoringError, match="--raw-ref .*short.de has 1 references but there are 4 hypotheses"):
         (tmp_path / "short.de").write_text("eins\n", encoding="utf-8")
-        score(get_parser().parse_args(["--generate-output", str(gen), "--raw-ref", str(tmp_path / "short.de")]),
+        score(build_parser().parse_args(["--generate-output", str(gen), "--raw-ref", str(tmp_path / "short.de")]),
               out=io.StringIO())
 
 
@@ -245,7 +245,7 @@ def test_generate_output_sorted_by_id_and_scored(tmp_path):
     assert refs == [f"word{i} rich-text" for i in range(4)]
     assert hyps == ["word0 rich-text", "word1 rich-text", "word2 rich-text", ""]
     out = io.StringIO()
-    stats = score(get_parser().parse_args(["--generate-output", str(gen), "--compound-split"]), out=out)
+    stats = score(build_parser().parse_args(["--generate-output", str(gen), "--compound-split"]), out=out)
     assert stats.hyp_len == 12 and stats.ref_len == 16  # 4 words per line after ##AT## splitting
     gen.write_text(_generate_output([1, 0]).replace("D-1\t-0.5\tword1 rich-text", "D-1\t-0.5\tdetok"))
     assert scoring.read_generate_output(gen, hyp_field="D")[0] == ["word0 rich-text", "detok"]

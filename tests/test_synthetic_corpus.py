@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from multipath_nmt.cli.make_corpus import cli_main
+from multipath_nmt.cli.make_corpus import main
 from multipath_nmt.pipeline.synthetic import NOUNS, english_article, format_decimal, format_number, generate
 
 SIZES = {"train": 3000, "valid": 200, "test": 200}
@@ -20,7 +20,7 @@ def read(folder):
 
 def test_cli_is_deterministic_for_a_seed(tmp_path):
     for name, seed in (("a", 11), ("b", 11), ("c", 12)):
-        cli_main(["--out", str(tmp_path / name), "--train", "300", "--valid", "20", "--test", "20",
+        main(["--out", str(tmp_path / name), "--train", "300", "--valid", "20", "--test", "20",
                   "--seed", str(seed)])
     a, b, c = read(tmp_path / "a"), read(tmp_path / "b"), read(tmp_path / "c")
     assert sorted(a) == [f"{s}.{l}" for s in ("test", "train", "valid") for l in ("de", "en")]

@@ -7,10 +7,10 @@
 import argparse
 import sys
 
-from multipath_nmt.averaging import AveragingError, average_checkpoints, last_n_checkpoints, save_atomically
+from multipath_nmt.averaging import AveragingError, average_checkpoints, save_atomically, select_checkpoints
 
 
-def get_parser():
+def build_parser():
     parser = argparse.ArgumentParser(prog="multipath-average", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n", 1)[1])
@@ -30,32 +30,22 @@ def get_parser():
 
 
 def average(args):
-    """Resolve the inputs like fairseq does, average them and write --output; returns the inputs."""
-    inputs = args.inputs
-    num = args.num_update_checkpoints if args.num_update_checkpoints is not None else args.num_epoch_checkpoints
-    if num is not None:
-        if len(inputs) != 1:
-            raise AveragingError("--num-epoch-checkpoints/--num-update-checkpoints take one "
-                                 f"directory as --inputs, got {len(inputs)} paths")
-        inputs = last_n_checkpoints(inputs[0], num, update_based=args.num_update_checkpoints is not None,
-                                    upper_bound=args.checkpoint_upper_bound)
-    elif args.checkpoint_upper_bound is not None:
-        raise AveragingError("--checkpoint-upper-bound needs --num-epoch-checkpoints or "
-                             "--num-update-checkpoints")
+    """Average the checkpoints parsed ``args`` name and write --output; returns the inputs.
+    Raises :class:`AveragingError`."""
+    inputs = select_checkpoints(args.inputs, args.num_epoch_checkpoints, args.num_update_checkpoints,
+                                args.checkpoint_upper_bound)
     print(f"averaging {len(inputs)} checkpoints: {' '.join(inputs)}")
-    state = average_checkpoints(inputs)
-    save_atomically(state, args.output)
+    save_atomically(average_checkpoints(inputs), args.output)
     print(f"wrote the averaged checkpoint to {args.output}")
     return inputs
 
 
-def cli_main():
-    args = get_parser().parse_args()
+def main(argv=None):
     try:
-        average(args)
+        average(build_parser().parse_args(argv))
     except AveragingError as err:
         sys.exit(f"multipath-average: error: {err}")
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()

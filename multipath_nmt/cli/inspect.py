@@ -1,89 +1,25 @@
 """multipath-inspect: learned path weights and path diversity of a trained checkpoint.
 
 Prints, per layer and sublayer, the path weights alpha, the residual weight beta and the path
-diversity |d| (Lin et al., 2022, Fig. 7; see :mod:`multipath_nmt.analysis.paths`), and for
-WideNet and pre-norm Transformer checkpoints the divergence of the encoder blocks' LayerNorms
-(WideNet Eq. 9 per block; see :mod:`multipath_nmt.analysis.widenet`).
+diversity |d| (Lin et al., 2022, Fig. 7), and for WideNet and pre-norm Transformer checkpoints
+the divergence of the encoder blocks' LayerNorms (WideNet Eq. 9 per block); see
+:mod:`multipath_nmt.analysis.report`.
 """
 import argparse
-import importlib.util
-import math
-import os
 import sys
-from typing import List, Optional
 
-from multipath_nmt.analysis.paths import path_weight_rows, plot_path_diversity
-from multipath_nmt.checkpoints import read_checkpoint
+from multipath_nmt.analysis.report import inspect_checkpoint
 
 
-def _widenet_rows(state_dict) -> List[dict]:
-    # The WideNet analysis is optional: older installs of the plug-in do not have it.
-    if importlib.util.find_spec("multipath_nmt.analysis.widenet") is None:
-        return []
-    from multipath_nmt.analysis.widenet import layernorm_divergence
-
-    try:
-        return layernorm_divergence(state_dict)
-    except ValueError:  # no per-layer encoder LayerNorms, or post-norm ones
-        return []
-
-
-def _number(value) -> str:
-    return "n/a" if isinstance(value, float) and math.isnan(value) else f"{value:.4f}"
-
-
-def format_path_rows(rows: List[dict]) -> str:
-    lines = ["| stack | layer | sublayer | paths | alpha | beta | abs(d) |",
-             "|---|---:|---|---:|---|---:|---:|"]
-    for r in rows:
-        alphas = ", ".join(f"{a:.4f}" for a in r["alphas"])
-        lines.append(f"| {r['stack']} | {r['layer'] + 1} | {r['sublayer']} | {r['num_paths']} "
-                     f"| {alphas} | {r['beta']:.4f} | {_number(r['diversity'])} |")
-    return "\n".join(lines) + "\n"
-
-
-def format_generic_rows(rows: List[dict]) -> str:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(
-            _number(row[c]) if isinstance(row.get(c), float) else str(row.get(c, ""))
-            for c in columns) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def inspect_checkpoint(path, plot: Optional[str] = None) -> str:
-    """The report for the checkpoint at ``path``; draws |d| per layer to ``plot`` if given."""
-    if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint file {path}")
-    state_dict = read_checkpoint(path)["model"]  # a CheckpointError (ValueError) says what is wrong
-    rows = path_weight_rows(state_dict)
-    widenet = _widenet_rows(state_dict)
-    if not rows and not widenet:
-        raise ValueError(f"{path} has no multi-path sublayers (…_mixer.path_weights) or pre-norm "
-                         "encoder LayerNorms; inspect a multipath_transformer, widenet or "
-                         "pre-norm transformer checkpoint")
-    if plot and not rows:
-        raise ValueError("--plot draws path diversity, which this checkpoint does not have")
-    report = []
-    if rows:
-        report.append("Path weights and diversity |d| = |a1 - a2| / |a1 + a2| (mean over pairs "
-                      "of raw paths for n > 2)\n\n" + format_path_rows(rows))
-        if plot:
-            plot_path_diversity(rows, plot)
-    if widenet:
-        report.append("LayerNorm divergence per encoder block (WideNet Eq. 9 for each block: "
-                      "mean |difference| of its elements to all elements of the other blocks; "
-                      "ffn = the LayerNorm before the FFN/MoE)\n\n"
-                      + format_generic_rows(widenet))
-    return "\n".join(report)
-
-
-def cli_main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser():
+    parser = argparse.ArgumentParser(prog="multipath-inspect", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a fairseq checkpoint (e.g. checkpoint_best.pt)")
     parser.add_argument("--plot", metavar="PNG", help="also draw path diversity per layer here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     try:
         sys.stdout.write(inspect_checkpoint(args.checkpoint, args.plot))
     except ValueError as error:
@@ -91,4 +27,4 @@ def cli_main(argv=None):
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()

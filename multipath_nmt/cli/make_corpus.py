@@ -19,11 +19,11 @@ def build_parser():
     return parser
 
 
-def cli_main(argv=None):
+def main(argv=None):
     args = build_parser().parse_args(argv)
     out = write_corpus(args.out, train=args.train, valid=args.valid, test=args.test, seed=args.seed)
     print(f"wrote {args.train} / {args.valid} / {args.test} sentence pairs to {out}/{{train,valid,test}}.{{en,de}}")
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()

@@ -7,8 +7,9 @@ from pathlib import Path
 from multipath_nmt.params import architecture_table, data_bin_dictionaries, format_markdown
 
 
-def cli_main(argv=None):
-    parser = argparse.ArgumentParser(description="parameters and forward FLOPs of every architecture of this plug-in")
+def build_parser():
+    parser = argparse.ArgumentParser(prog="multipath-params",
+                                     description="parameters and forward FLOPs of every architecture of this plug-in")
     parser.add_argument("--dict-size", type=int, default=34880,
                         help="joined (shared) dictionary size, or the source one with "
                              "--tgt-dict-size, special symbols included (default: 34880, the "
@@ -21,7 +22,11 @@ def cli_main(argv=None):
                              "fairseq data-bin, as scripts/train.sh does (replaces the sizes)")
     parser.add_argument("--arch", action="append",
                         help="only this architecture (repeatable; default: all of this plug-in)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     try:
         if args.data_bin is not None:
             args.dict_size, args.tgt_dict_size = data_bin_dictionaries(args.data_bin)
@@ -32,4 +37,4 @@ def cli_main(argv=None):
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()

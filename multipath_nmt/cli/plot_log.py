@@ -2,112 +2,17 @@
 
     multipath-plot-log base.log multipath.log --labels Base Multi-Path --out curves.png
 
-Reads the ``train_inner`` (every --log-interval updates), ``train`` (end of epoch) and ``valid``
-lines of ``--log-format simple`` or ``json`` logs. Losses are fairseq's, in base 2.
+Reads the ``train_inner``, ``train`` and ``valid`` lines of ``--log-format simple`` or ``json``
+logs (:mod:`multipath_nmt.training_log`). Losses are fairseq's, in base 2.
 """
 import argparse
-import json
-import os
-import re
 import sys
-from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Tuple
 
-# "... | INFO | train_inner | epoch 001:  2 / 6 loss=7.6, ..." or "... | INFO | valid | {...}"
-_TAGGED = re.compile(r"\| (?P<tag>train_inner|train|valid\w*) \| (?P<body>.*)$")
-_SIMPLE_LOSS = re.compile(r"(?:^|[\s|,])loss[= ](?P<value>[^\s,|]+)")
-_SIMPLE_UPDATES = re.compile(r"(?:^|[\s|,])num_updates[= ](?P<value>\d+)")
+from multipath_nmt.training_log import LossCurves, PlotLogError, plot_curves, read_logs
 
 
-class PlotLogError(ValueError):
-    """A log without loss lines, or an unusable output path."""
-
-
-@dataclass
-class LossCurves:
-    """(update, loss) points of one log: train_inner, per-epoch train, and one list per valid subset."""
-    train_inner: List[Tuple[int, float]] = field(default_factory=list)
-    train: List[Tuple[int, float]] = field(default_factory=list)
-    valid: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
-
-
-def _point(tag: str, body: str):
-    if body.startswith("{"):
-        stats = json.loads(body)
-        prefix = "" if tag == "train_inner" else tag + "_"
-        loss, updates = stats.get(prefix + "loss"), stats.get(prefix + "num_updates")
-    else:
-        loss, updates = _SIMPLE_LOSS.search(body), _SIMPLE_UPDATES.search(body)
-        loss, updates = (loss and loss.group("value")), (updates and updates.group("value"))
-    if loss is None or updates is None:
-        return None
-    return int(float(updates)), float(loss)
-
-
-def parse_log(path) -> LossCurves:
-    """The loss curves of one fairseq-train log (simple or json format, mixed is fine)."""
-    if not os.path.isfile(path):
-        raise PlotLogError(f"{path}: no such log file")
-    curves = LossCurves()
-    with open(path, encoding="utf-8", errors="replace") as log:
-        for line in log:
-            match = _TAGGED.search(line.rstrip("\n"))
-            if not match:
-                continue
-            point = _point(match.group("tag"), match.group("body"))
-            if point is None:
-                continue
-            tag = match.group("tag")
-            if tag == "train_inner":
-                curves.train_inner.append(point)
-            elif tag == "train":
-                curves.train.append(point)
-            else:
-                curves.valid.setdefault(tag, []).append(point)
-    if not (curves.train_inner or curves.train or curves.valid):
-        raise PlotLogError(f"{path}: no train_inner/train/valid loss lines; give the output of "
-                           "fairseq-train run with --log-format simple or json")
-    return curves
-
-
-def plot_curves(logs: Sequence[Tuple[str, LossCurves]], out, title=None) -> None:
-    """Two panels, training and validation loss vs update, one line per (label, curves); PNG atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        raise PlotLogError(f"{folder}: output folder does not exist; create it first")
-    fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, curves in logs:
-        train = curves.train_inner or curves.train  # per-interval points when logged
-        if train:
-            ax_train.plot(*zip(*train), label=label)
-        for subset, points in curves.valid.items():
-            name = label if subset == "valid" else f"{label} ({subset})"
-            ax_valid.plot(*zip(*points), marker="o", markersize=3, label=name)
-    for ax, name in ((ax_train, "training loss"), (ax_valid, "validation loss")):
-        ax.set_xlabel("update")
-        ax.set_ylabel(f"{name} (base 2)")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    tmp = f"{out}.tmp"
-    try:
-        fig.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, out)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def get_parser():
+def build_parser():
     parser = argparse.ArgumentParser(prog="multipath-plot-log", description=__doc__.split("\n")[0])
     parser.add_argument("logs", nargs="+", metavar="LOG", help="fairseq-train logs, one per system")
     parser.add_argument("--labels", nargs="+", help="one legend label per log (default: file names)")
@@ -116,11 +21,9 @@ def get_parser():
     return parser
 
 
-def main(args) -> List[Tuple[str, LossCurves]]:
-    labels = args.labels or [os.path.splitext(os.path.basename(p))[0] for p in args.logs]
-    if len(labels) != len(args.logs):
-        raise PlotLogError(f"{len(labels)} --labels for {len(args.logs)} logs; give one label per log")
-    logs = [(label, parse_log(path)) for label, path in zip(labels, args.logs)]
+def plot(args) -> List[Tuple[str, LossCurves]]:
+    """Draw the logs of parsed ``args`` and say what was drawn; raises :class:`PlotLogError`."""
+    logs = read_logs(args.logs, args.labels)
     plot_curves(logs, args.out, title=args.title)
     print(f"wrote {args.out}: " + ", ".join(
         f"{label} ({len(c.train_inner) or len(c.train)} train, {sum(map(len, c.valid.values()))} valid points)"
@@ -128,12 +31,12 @@ def main(args) -> List[Tuple[str, LossCurves]]:
     return logs
 
 
-def cli_main():
+def main(argv=None):
     try:
-        main(get_parser().parse_args())
+        plot(build_parser().parse_args(argv))
     except PlotLogError as err:
         sys.exit(f"multipath-plot-log: error: {err}")
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()

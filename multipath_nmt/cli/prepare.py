@@ -51,22 +51,19 @@ def build_parser():
     return parser
 
 
-def main(args):
-    if args.command == "wmt":
-        return prepare_wmt(args.task, out=args.out, raw_dir=args.raw_dir, mirror=args.mirror,
-                           workers=args.workers, bpe_merges=args.bpe_merges, work_dir=args.work_dir)
-    return prepare_corpus(args.src, args.tgt, args.train, args.valid, args.test, args.out,
-                          bpe_merges=args.bpe_merges, workers=args.workers, work_dir=args.work_dir)
-
-
-def cli_main(argv=None):
+def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        main(args)
+        if args.command == "wmt":
+            prepare_wmt(args.task, out=args.out, raw_dir=args.raw_dir, mirror=args.mirror,
+                        workers=args.workers, bpe_merges=args.bpe_merges, work_dir=args.work_dir)
+        else:
+            prepare_corpus(args.src, args.tgt, args.train, args.valid, args.test, args.out,
+                           bpe_merges=args.bpe_merges, workers=args.workers, work_dir=args.work_dir)
     except PrepareError as e:
         print(f"multipath-prepare: error: {e}", file=sys.stderr)
         sys.exit(1)
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()

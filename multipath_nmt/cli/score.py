@@ -10,6 +10,7 @@ hypotheses Moses-detokenized for --lang against --raw-ref: the references as rel
 (DATA_BIN/test.raw.LANG written by multipath-prepare, or the official .sgm itself), which is what
 ``sacrebleu -t wmt14/full -l en-de`` scores against. Without --raw-ref the references are the
 detokenized tokenized ones, and line 2 says it is not comparable to published sacreBLEU.
+The scores come from :mod:`multipath_nmt.scoring`.
 """
 import argparse
 import sys
@@ -17,7 +18,7 @@ import sys
 from multipath_nmt import scoring
 
 
-def get_parser():
+def build_parser():
     parser = argparse.ArgumentParser(prog="multipath-score", description=__doc__.split("\n")[0])
     parser.add_argument("--sys", help="hypothesis file, one tokenized sentence per line")
     parser.add_argument("--ref", help="tokenized reference file; like multi-bleu.perl, REF0, REF1, ... "
@@ -42,51 +43,35 @@ def get_parser():
     return parser
 
 
-def score(args, out=sys.stdout):
-    """Print the multi-bleu line and the sacreBLEU line; returns the multi-bleu statistics."""
+def score(args, out=None) -> scoring.MultiBleu:
+    """Print the multi-bleu line and the sacreBLEU line of parsed ``args`` to ``out`` (default:
+    stdout); returns the multi-bleu statistics. Raises :class:`~multipath_nmt.scoring.ScoringError`."""
+    options = dict(raw_refs=args.raw_ref, compound=args.compound_split, lowercase=args.lowercase,
+                   lang=args.lang)
     if args.generate_output:
-        hyps, refs = scoring.read_generate_output(args.generate_output, args.hyp_field)
-        ref_streams = [refs]
-        hyp_bytes = "".join(h + "\n" for h in hyps).encode("utf-8", "surrogateescape")
-        ref_bytes = "".join(r + "\n" for r in refs).encode("utf-8", "surrogateescape")
-        if args.compound_split:
-            hyp_bytes, ref_bytes = scoring.compound_split(hyp_bytes), scoring.compound_split(ref_bytes)
-        stats = scoring.multi_bleu(scoring.perl_lines(hyp_bytes), [scoring.perl_lines(ref_bytes)],
-                                   lowercase=args.lowercase)
+        scores = scoring.score_generate_output(args.generate_output, args.hyp_field, **options)
+    elif args.sys and args.ref:
+        scores = scoring.score_files(args.sys, args.ref, **options)
     else:
-        if not args.sys or not args.ref:
-            raise scoring.ScoringError("give --sys HYP and --ref REF, or --generate-output FILE")
-        stats = scoring.multi_bleu_files(args.sys, args.ref, lowercase=args.lowercase,
-                                         compound=args.compound_split)
-        hyps = scoring.read_references(args.sys)
-        ref_streams = [scoring.read_references(p) for p in scoring.reference_paths(args.ref)]
-    print(stats, file=out)
-    detok_hyps = scoring.detokenize(hyps, args.lang)
+        raise scoring.ScoringError("give --sys HYP and --ref REF, or --generate-output FILE")
     if args.raw_ref:
-        raw_streams = [scoring.read_references(p) for p in args.raw_ref]
-        for path, stream in zip(args.raw_ref, raw_streams):
-            if len(stream) != len(hyps):
-                raise scoring.ScoringError(f"--raw-ref {path} has {len(stream)} references but there are "
-                                           f"{len(hyps)} hypotheses; give the released test set they translate")
         how = "references as released (--raw-ref)"
     else:
-        raw_streams = [scoring.detokenize(r, args.lang) for r in ref_streams]
         how = ("references detokenized from the tokenized ones: not comparable to published sacreBLEU, "
                "pass --raw-ref")
     how += (f", hypotheses Moses-detokenized for '{args.lang}'" if args.lang
             else ", hypotheses as given (pass --lang to detokenize tokenized text)")
-    sacre, signature = scoring.sacrebleu_score(detok_hyps, raw_streams)
-    print(f"sacreBLEU = {sacre.score:.2f} | {signature} | {how}", file=out)
-    return stats
+    print(scores.multi_bleu, file=out)
+    print(f"sacreBLEU = {scores.sacrebleu:.2f} | {scores.signature} | {how}", file=out)
+    return scores.multi_bleu
 
 
-def cli_main():
-    args = get_parser().parse_args()
+def main(argv=None):
     try:
-        score(args)
+        score(build_parser().parse_args(argv))
     except scoring.ScoringError as err:
         sys.exit(f"multipath-score: error: {err}")
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()
