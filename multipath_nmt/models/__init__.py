@@ -1,4 +1,5 @@
-"""Each module here registers one fairseq component; import them all."""
+"""Each module here registers fairseq models or architectures (``routing_flags`` holds the flags
+the routed models share); import them all."""
 import importlib
 import os
 

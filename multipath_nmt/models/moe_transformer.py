@@ -29,6 +29,11 @@ from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from torch import nn
 
 from multipath_nmt import ewa_training
+from multipath_nmt.models.routing_flags import (
+    DEFAULT_CAPACITY_FACTOR,
+    add_routing_args,
+    set_routing_defaults,
+)
 from multipath_nmt.models.transformer_baselines import transformer_prenorm_wmt_en_de
 from multipath_nmt.modules.ewa import SCHEDULES, EarlyEWAMoE, EWAFeedForward, EWASchedule
 from multipath_nmt.modules.moe import (
@@ -107,22 +112,23 @@ def check_args(args):
 
 def build_ffn(args, embed_dim, ffn_dim):
     """The replacement FFN module (input [T, B, d] and padding mask [B, T])."""
-    activation = utils.get_activation_fn(activation=args.activation_fn)
+    activation_fn = utils.get_activation_fn(activation=args.activation_fn)
     activation_dropout = args.activation_dropout or getattr(args, "relu_dropout", 0) or 0
     if args.encoder_ffn == "moe":
         return MoEFeedForward(embed_dim, ffn_dim, args.moe_experts, args.moe_top_k,
-                              args.moe_capacity_factor, activation, activation_dropout)
+                              args.moe_capacity_factor, activation_fn, activation_dropout)
     if args.encoder_ffn == "ewa":
         schedule = EWASchedule(args.ewa_share_rate, args.ewa_schedule, args.max_update,
                                args.ewa_stop_at)
         if args.ewa_stop_at is not None:
             return EarlyEWAMoE(embed_dim, ffn_dim, args.ewa_experts, schedule,
-                               capacity_factor=args.moe_capacity_factor, activation=activation,
+                               capacity_factor=args.moe_capacity_factor,
+                               activation_fn=activation_fn,
                                activation_dropout=activation_dropout)
-        return EWAFeedForward(embed_dim, ffn_dim, args.ewa_experts, schedule, activation,
+        return EWAFeedForward(embed_dim, ffn_dim, args.ewa_experts, schedule, activation_fn,
                               activation_dropout)
     return ParameterNetFeedForward(embed_dim, ffn_dim, args.parameternet_experts,
-                                   args.parameternet_proj, args.parameternet_mode, activation,
+                                   args.parameternet_proj, args.parameternet_mode, activation_fn,
                                    activation_dropout, args.moe_capacity_factor)
 
 
@@ -199,18 +205,7 @@ class MoETransformerModel(TransformerModel):
                                  "parameternet (ParameterNet projections in every layer)")
         parser.add_argument("--encoder-moe-freq", type=int, metavar="K",
                             help="with --encoder-ffn moe: an MoE FFN in every K-th encoder layer")
-        parser.add_argument("--moe-experts", type=int, metavar="E",
-                            help="with --encoder-ffn moe: number of experts")
-        parser.add_argument("--moe-top-k", type=int, metavar="K",
-                            help="with --encoder-ffn moe: experts per token")
-        parser.add_argument("--moe-capacity-factor", type=float, metavar="C",
-                            help="expert capacity ratio C of every routed layer (moe, routed "
-                                 "ParameterNet, early EWA): ceil(C*k*S/E) tokens per expert")
-        parser.add_argument("--moe-capacity-at-inference", action="store_true",
-                            help="apply the expert capacity of routed layers at inference too "
-                                 "(validation, generation); by default no token is dropped at "
-                                 "inference, so a sentence's translation does not depend on its "
-                                 "batch")
+        add_routing_args(parser)
         parser.add_argument("--ewa-layers", choices=EWA_LAYER_PATTERNS,
                             help="encoder layers whose FFN is an EWA MoE: every second layer or "
                                  "the last four, the two placements the paper tunes per model "
@@ -297,12 +292,9 @@ def init_experts_from_dense(model, path):
 def moe_transformer(args):
     args.encoder_ffn = getattr(args, "encoder_ffn", "dense")
     args.encoder_moe_freq = getattr(args, "encoder_moe_freq", 2)
-    args.moe_experts = getattr(args, "moe_experts", 4)
-    args.moe_top_k = getattr(args, "moe_top_k", 2)
     early_ewa = args.encoder_ffn == "ewa" and getattr(args, "ewa_stop_at", None) is not None
     # early EWA: the paper's capacity ratio for its 2D datasets (1.2 for 3D)
-    args.moe_capacity_factor = getattr(args, "moe_capacity_factor", 1.05 if early_ewa else 1.2)
-    args.moe_capacity_at_inference = getattr(args, "moe_capacity_at_inference", False)
+    set_routing_defaults(args, capacity_factor=1.05 if early_ewa else DEFAULT_CAPACITY_FACTOR)
     args.ewa_layers = getattr(args, "ewa_layers", "every-2")
     args.ewa_experts = getattr(args, "ewa_experts", 4)
     args.ewa_share_rate = getattr(args, "ewa_share_rate", DEFAULT_EWA_SHARE_RATE)

@@ -27,6 +27,7 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules import MultiheadAttention
 
+from multipath_nmt.models.routing_flags import add_routing_args, set_routing_defaults
 from multipath_nmt.modules.moe import (
     MoEFeedForward,
     check_routing_config,
@@ -88,17 +89,17 @@ class WideNetEncoder(TransformerEncoder):
         layers = args.encoder_layers
         dim, ffn_dim = cfg.encoder.embed_dim, cfg.encoder.ffn_embed_dim
         copies = layers if args.no_share else 1
-        activation = utils.get_activation_fn(cfg.activation_fn)
+        activation_fn = utils.get_activation_fn(cfg.activation_fn)
         # as fairseq's encoder layer: --relu-dropout is the old name of --activation-dropout
         activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
         attentions = [MultiheadAttention(dim, cfg.encoder.attention_heads,
                                          dropout=cfg.attention_dropout, self_attention=True)
                       for _ in range(copies)]
         if args.no_moe:
-            ffns = [FeedForward(dim, ffn_dim, activation, activation_dropout)]
+            ffns = [FeedForward(dim, ffn_dim, activation_fn, activation_dropout)]
         else:
             ffns = [MoEFeedForward(dim, ffn_dim, args.moe_experts, args.moe_top_k,
-                                   args.moe_capacity_factor, activation, activation_dropout)
+                                   args.moe_capacity_factor, activation_fn, activation_dropout)
                     for _ in range(copies)]
         return WideNetStack(dim, layers, attentions, ffns, share_layernorm=args.share_layernorm,
                             groups=None if args.no_moe else routing_groups(args),
@@ -110,22 +111,12 @@ class WideNetTransformerModel(TransformerModel):
     @staticmethod
     def add_args(parser):
         TransformerModel.add_args(parser)
-        parser.add_argument("--moe-experts", type=int, metavar="E",
-                            help="experts in the shared MoE FFN (WideNet: 4)")
-        parser.add_argument("--moe-top-k", type=int, metavar="K",
-                            help="experts each token is routed to (WideNet: 2)")
-        parser.add_argument("--moe-capacity-factor", type=float, metavar="C",
-                            help="each expert keeps at most ceil(C*K*S/E) of the S tokens of a "
-                                 "routing call; the rest skip it (WideNet: 1.2)")
+        add_routing_args(parser)
         parser.add_argument("--moe-groups", type=int, metavar="G", dest="moe_routing_groups",
                             help="number of routing groups (WideNet Fig. 3): the encoder layers "
                                  "form G groups of --encoder-layers / G consecutive layers, each "
                                  "routed once by its first layer; must divide --encoder-layers "
                                  "(default: --encoder-layers, a routing call in every layer)")
-        parser.add_argument("--moe-capacity-at-inference", action="store_true",
-                            help="apply the expert capacity at inference too (validation, "
-                                 "generation); by default no token is dropped at inference, so "
-                                 "a sentence's translation does not depend on its batch")
         parser.add_argument("--share-layernorm", action="store_true",
                             help="ablation: one LayerNorm pair for all encoder layers instead "
                                  "of an individual pair per layer")
@@ -163,11 +154,8 @@ def routing_groups(args) -> int:
 
 
 def _widenet_defaults(args):
-    args.moe_experts = getattr(args, "moe_experts", 4)
-    args.moe_top_k = getattr(args, "moe_top_k", 2)
-    args.moe_capacity_factor = getattr(args, "moe_capacity_factor", 1.2)
+    set_routing_defaults(args)
     args.moe_routing_groups = getattr(args, "moe_routing_groups", None)
-    args.moe_capacity_at_inference = getattr(args, "moe_capacity_at_inference", False)
     args.share_layernorm = getattr(args, "share_layernorm", False)
     args.no_moe = getattr(args, "no_moe", False)
     args.no_share = getattr(args, "no_share", False)

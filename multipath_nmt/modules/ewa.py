@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multipath_nmt.modules.moe import MoEFeedForward, SlotPlan, init_experts_like_linear_
+from multipath_nmt.modules.moe import (
+    FlatTokens,
+    MoEFeedForward,
+    SlotPlan,
+    init_experts_like_linear_,
+)
 
 SCHEDULES = ("linear", "constant")
 
@@ -158,7 +163,13 @@ def uniform_partition(num_tokens, num_experts, padding=None):
 
 class EWAFeedForward(ExpertsWeightsAveraging, nn.Module):
     """E expert FFNs (fc1 -> activation -> dropout -> fc2) trained on a random uniform token
-    partition with EWA, evaluated as the experts' mean FFN (Huang et al., 2023, Sec. 3.2)."""
+    partition with EWA, evaluated as the experts' mean FFN (Huang et al., 2023, Sec. 3.2).
+
+    Expert weights are stacked [E, out, in], ``nn.Linear``'s layout (not the package's
+    [E, in, out], see :mod:`multipath_nmt.modules`): their mean is a dense FFN's ``fc1.weight``
+    and ``fc2.weight`` as they are, which eval mode, ``multipath-convert-ewa`` and
+    ``--ewa-init-from`` use.
+    """
 
     def __init__(self, embed_dim, ffn_dim, num_experts, schedule, activation_fn=F.relu,
                  activation_dropout=0.0):
@@ -205,19 +216,18 @@ class EWAFeedForward(ExpertsWeightsAveraging, nn.Module):
             fc1_weight, fc1_bias, fc2_weight, fc2_bias = self.folded()
             hidden = self.activation_dropout(self.activation_fn(F.linear(x, fc1_weight, fc1_bias)))
             return F.linear(hidden, fc2_weight, fc2_bias)
-        tokens = x.reshape(-1, x.shape[-1])
-        num_tokens = tokens.shape[0]
-        if padding_mask is None:
-            padding = None
-            weights = tokens.new_ones(num_tokens, 1)
+        tokens = FlatTokens.of(x, padding_mask)
+        rows, padding = tokens.rows, tokens.padding
+        num_tokens = rows.shape[0]
+        if padding is None:
+            weights = rows.new_ones(num_tokens, 1)
         else:
-            padding = (padding_mask.t() if x.dim() == 3 else padding_mask).reshape(-1)
-            weights = (~padding).unsqueeze(1).to(tokens.dtype)
+            weights = tokens.valid.unsqueeze(1).to(rows.dtype)
         order, expert, slot = uniform_partition(num_tokens, self.num_experts, padding)
         capacity = max(1, math.ceil(num_tokens / self.num_experts))
         plan = SlotPlan.build(num_tokens, 1, self.num_experts * capacity, order,
                               expert * capacity + slot)
-        grouped = plan.dispatch(tokens).view(self.num_experts, capacity, -1)
+        grouped = plan.dispatch(rows).view(self.num_experts, capacity, -1)
         # Transposed products, hidden^T = W x^T: the weight gradients then come out in the
         # weights' own [E, out, in] layout, where x W^T gave them transposed and autograd copied
         # them into place (a strided copy of every expert matrix, ~10% of the FFN's backward).
@@ -225,7 +235,7 @@ class EWAFeedForward(ExpertsWeightsAveraging, nn.Module):
         hidden = self.activation_dropout(self.activation_fn(hidden))
         out = torch.baddbmm(self.fc2_bias.unsqueeze(2), self.fc2_weight, hidden).transpose(1, 2)
         # padding tokens weigh 0: their output is zero and they pass no gradient
-        return plan.combine(out.reshape(-1, out.shape[-1]), weights).view_as(x)
+        return tokens.unflatten(plan.combine(out.reshape(-1, out.shape[-1]), weights))
 
     def inactive_parameter_count(self):
         # a token meets one FFN's worth of parameters: one expert in training, the mean at inference

@@ -23,7 +23,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,35 @@ from torch.utils._pytree import tree_leaves
 # adapters drop unconsumed ones every step (release_routing_stats_every_step); a bare module whose
 # statistics nobody pops keeps only the newest ones, so it does not leak memory, and warns once.
 MAX_PENDING_STATS = 1024
+
+
+class FlatTokens(NamedTuple):
+    """A routed FFN's input as rows of tokens, and the way back to its shape.
+
+    x is [T, B, d] with a padding mask [B, T] (True = padding), as fairseq's encoder layers give
+    them, or [S, d] with [S]. Rows are time-major (row t * B + b): the token order in which
+    routing gives earlier tokens priority.
+    """
+
+    rows: torch.Tensor  # [S, d]
+    padding: Optional[torch.Tensor]  # bool [S], True at padding; None when there is no mask
+    shape: torch.Size  # x's shape without its feature dimension
+
+    @classmethod
+    def of(cls, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> "FlatTokens":
+        padding = None
+        if padding_mask is not None:
+            padding = (padding_mask.t() if x.dim() == 3 else padding_mask).reshape(-1)
+        return cls(x.reshape(-1, x.size(-1)), padding, x.shape[:-1])
+
+    @property
+    def valid(self) -> Optional[torch.Tensor]:
+        """bool [S], False at padding (what :class:`TopKRouter` takes), or None."""
+        return None if self.padding is None else ~self.padding
+
+    def unflatten(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token rows [S, ...] back to x's token shape: [T, B, ...] (or [S, ...])."""
+        return rows.view(*self.shape, *rows.shape[1:])
 
 
 @dataclass
@@ -400,18 +429,19 @@ def release_routing_stats_every_step(model: nn.Module) -> None:
 class MoEFeedForward(nn.Module):
     """Top-k routed FFN experts run as one batched matmul over [E, capacity, d] (WideNet Sec. 3.1).
 
-    Expert weights are stored batched: ``fc1_weight`` [E, d, ffn], ``fc2_weight`` [E, ffn, d]
-    (x @ W, i.e. the transpose of ``nn.Linear.weight``), biases [E, ffn] and [E, d].
+    Expert weights are stacked [experts, in, out] (x @ W_i, the package's layout, see
+    :mod:`multipath_nmt.modules`): ``fc1_weight`` [E, d, ffn], ``fc2_weight`` [E, ffn, d], biases
+    [E, ffn] and [E, d].
     """
 
     def __init__(self, embed_dim: int, ffn_dim: int, num_experts: int = 4, k: int = 2,
-                 capacity_factor: float = 1.2, activation: Callable = F.relu,
+                 capacity_factor: float = 1.2, activation_fn: Callable = F.relu,
                  activation_dropout: float = 0.0, router_noise: bool = True):
         super().__init__()
         self.router = TopKRouter(embed_dim, num_experts, k, capacity_factor, noise=router_noise)
         self.num_experts, self.k = num_experts, k
         self.embed_dim, self.ffn_dim = embed_dim, ffn_dim
-        self.activation = activation
+        self.activation_fn = activation_fn
         self.activation_dropout = nn.Dropout(activation_dropout)
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, embed_dim, ffn_dim))
         self.fc1_bias = nn.Parameter(torch.empty(num_experts, ffn_dim))
@@ -423,32 +453,23 @@ class MoEFeedForward(nn.Module):
         init_experts_like_linear_(self.fc1_weight, self.fc1_bias, self.embed_dim)
         init_experts_like_linear_(self.fc2_weight, self.fc2_bias, self.ffn_dim)
 
-    @staticmethod
-    def _flatten(x: torch.Tensor, padding_mask: Optional[torch.Tensor]):
-        """[T, B, d] + [B, T] padding mask, or [S, d] + [S] -> tokens [S, d], valid [S] or None."""
-        tokens = x.reshape(-1, x.size(-1))
-        if padding_mask is None:
-            return tokens, None
-        valid = ~(padding_mask.t() if x.dim() == 3 else padding_mask)
-        return tokens, valid.reshape(-1)
-
     def route(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> Routing:
         """The routing decision for x (one routing call: its statistics are recorded)."""
-        tokens, valid = self._flatten(x, padding_mask)
-        return self.router(tokens, valid)
+        tokens = FlatTokens.of(x, padding_mask)
+        return self.router(tokens.rows, tokens.valid)
 
     def forward(self, x: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
                 routing: Optional[Routing] = None) -> torch.Tensor:
         """x: [T, B, d] with padding_mask [B, T] (True = pad), or [S, d] with [S]; padding
         positions get zeros. ``routing``: reuse a decision from :meth:`route` (WideNet groups)."""
-        tokens, valid = self._flatten(x, padding_mask)
+        tokens = FlatTokens.of(x, padding_mask)
         if routing is None:
-            routing = self.router(tokens, valid)
-        expert_input = routing.dispatch(tokens)
+            routing = self.router(tokens.rows, tokens.valid)
+        expert_input = routing.dispatch(tokens.rows)
         hidden = torch.baddbmm(self.fc1_bias.unsqueeze(1), expert_input, self.fc1_weight)
-        hidden = self.activation_dropout(self.activation(hidden))
+        hidden = self.activation_dropout(self.activation_fn(hidden))
         expert_output = torch.baddbmm(self.fc2_bias.unsqueeze(1), hidden, self.fc2_weight)
-        return routing.combine(expert_output).view_as(x)
+        return tokens.unflatten(routing.combine(expert_output))
 
     def pop_routing_stats(self) -> List[RoutingStats]:
         return self.router.pop_routing_stats()

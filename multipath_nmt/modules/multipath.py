@@ -1,36 +1,27 @@
-"""Multi-Path Transformer layers (Lin et al., 2022), batched over paths.
+"""Multi-Path Transformer layers, batched over paths: Lin et al. (2022), "Multi-Path Transformer
+is Better: A Case Study on Neural Machine Translation".
 
-Every sublayer computes Y = beta * X + sum_f alpha_f * PathNorm_f(H_f), where H_1..H_n are the
-outputs of n independent paths F_i(LN(X)) (attentions or FFNs) and, with cheap features, H_{n+j}
-is the average of the paths other than j (Eq. 7). All paths of a sublayer run as batched tensor
-operations: one input projection for every path, one attention call over n x heads, per-path
-output projections as one batched matmul. Path outputs are kept path-major, [n, T, B, d], the
-layout ``torch.baddbmm`` produces, so PathNorm and the weighted sum need no copies.
+Every sublayer computes Y = beta * X + sum_f alpha_f * PathNorm_f(H_f) (Sec. 3.1, Eqs. 4-6),
+where H_1..H_n are the outputs of n independent paths F_i(LN(X)) (attentions or FFNs) and, with
+cheap features, H_{n+j} is the average of the paths other than j (Eq. 7). All paths of a
+sublayer run as batched tensor operations: one input projection for every path, one attention
+call over n x heads, per-path output projections as one batched matmul. Path outputs are kept
+path-major, [n, T, B, d], the layout ``torch.baddbmm`` produces, so PathNorm and the weighted sum
+need no copies.
+
+The readable form of these layers, one ``nn.MultiheadAttention``, ``nn.Linear`` pair and
+``nn.LayerNorm`` per path in a Python loop, is ``multipath_nmt/testing/multipath_reference.py``
+(:mod:`multipath_nmt.testing.multipath_reference`): the tests hold every layer here to it in
+float64, outputs and gradients, and its ``load_batched_state_dict`` maps the weights between the
+two.
 """
 import math
 from functools import partial
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_accurate": partial(F.gelu, approximate="tanh"),
-    "gelu_fast": partial(F.gelu, approximate="tanh"),
-    "tanh": torch.tanh,
-    "swish": F.silu,
-    "linear": lambda x: x,
-}
-
-
-def activation_function(name: str):
-    """The activation called ``name`` (fairseq's --activation-fn names)."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
 
 
 def fixed_path_weight(num_features: int, path_norm: bool) -> float:
@@ -141,7 +132,8 @@ class _NormalizedSum(torch.autograd.Function):
 class PathMixer(nn.Module):
     """The sublayer output of Lin et al. (2022): Y = beta * X + sum_f alpha_f * PathNorm_f(H_f),
     H = the n path outputs plus, with ``cheap_features`` and n > 2, the n averages of n - 1 paths
-    (Eq. 7, before PathNorm). Learnable alpha starts at 1/sqrt(2n) (n raw paths), beta at 1."""
+    (Eq. 7, before PathNorm). Learnable alpha starts at 1/sqrt(2n) (n raw paths), beta at 1.
+    The readable form: ``ReferencePathMixer`` in multipath_nmt/testing/multipath_reference.py."""
 
     def __init__(self, num_paths: int, dim: int, path_norm: bool = True,
                  learnable_weights: bool = True, cheap_features: bool = False,
@@ -226,7 +218,8 @@ def attention_mask(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tenso
 class MultiPathAttention(nn.Module):
     """n independent multi-head attentions (the attention paths F_i of Lin et al., 2022) as one:
     q/k/v of every path from one projection d -> 3nd, one attention over n x heads, the per-path
-    output projections as one batched matmul. Returns path outputs [n, T, B, d].
+    output projections as one batched matmul. Returns path outputs [n, T, B, d]. The readable
+    form: ``ReferenceMultiPathAttention`` in multipath_nmt/testing/multipath_reference.py.
 
     Beam search (:meth:`set_beam_size`): the B = sentences x beam rows of an encoder-decoder
     attention come in groups of ``beam_size`` beams of one sentence, which share the encoder's
@@ -367,14 +360,15 @@ class MultiPathAttention(nn.Module):
 class MultiPathFeedForward(nn.Module):
     """n independent FFNs (the FFN paths F_i of Lin et al., 2022): the first projections of all
     paths as one d -> n * ffn matmul (they share their input LN(X)), the second as one batched
-    matmul. Returns path outputs [n, T, B, d]."""
+    matmul. Returns path outputs [n, T, B, d]. The readable form:
+    ``ReferenceMultiPathFeedForward`` in multipath_nmt/testing/multipath_reference.py."""
 
-    def __init__(self, num_paths: int, embed_dim: int, ffn_dim: int, activation: str = "relu",
-                 activation_dropout: float = 0.0):
+    def __init__(self, num_paths: int, embed_dim: int, ffn_dim: int,
+                 activation_fn: Callable = F.relu, activation_dropout: float = 0.0):
         super().__init__()
         self.num_paths = num_paths
         self.ffn_dim = ffn_dim
-        self.activation = activation_function(activation)
+        self.activation_fn = activation_fn
         self.activation_dropout = activation_dropout
         self.fc1 = nn.Linear(embed_dim, num_paths * ffn_dim)
         # [path, in, out]; initialised as nn.Linear(ffn_dim, embed_dim) initialises each path.
@@ -385,7 +379,7 @@ class MultiPathFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         T, B, d = x.shape
-        hidden = self.activation(self.fc1(x))
+        hidden = self.activation_fn(self.fc1(x))
         hidden = F.dropout(hidden, self.activation_dropout, self.training)
         hidden = hidden.view(T * B, self.num_paths, self.ffn_dim).transpose(0, 1)
         out = torch.baddbmm(self.fc2_bias.unsqueeze(1), hidden, self.fc2_weight)
@@ -394,13 +388,14 @@ class MultiPathFeedForward(nn.Module):
 
 class MultiPathEncoderLayer(nn.Module):
     """A pre-norm Multi-Path Transformer encoder layer (Lin et al., 2022, Fig. 2): self-attention
-    and FFN sublayers, each Y = beta * X + sum_f alpha_f * PathNorm_f(F_f(LN(X)))."""
+    and FFN sublayers, each Y = beta * X + sum_f alpha_f * PathNorm_f(F_f(LN(X))). The readable
+    form: ``ReferenceMultiPathEncoderLayer`` in multipath_nmt/testing/multipath_reference.py."""
 
     def __init__(self, embed_dim: int, ffn_dim: int, num_heads: int, num_paths: int,
                  path_norm: bool = True, learnable_weights: bool = True,
                  cheap_features: bool = False, dropout: float = 0.0,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 activation: str = "relu"):
+                 activation_fn: Callable = F.relu):
         super().__init__()
         mixer = partial(PathMixer, num_paths, embed_dim, path_norm=path_norm,
                         learnable_weights=learnable_weights, cheap_features=cheap_features,
@@ -410,7 +405,7 @@ class MultiPathEncoderLayer(nn.Module):
                                             dropout=attention_dropout)
         self.self_attn_mixer = mixer()
         self.final_layer_norm = nn.LayerNorm(embed_dim)
-        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation,
+        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation_fn,
                                         activation_dropout)
         self.ffn_mixer = mixer()
 
@@ -425,13 +420,15 @@ class MultiPathEncoderLayer(nn.Module):
 
 class MultiPathDecoderLayer(nn.Module):
     """A pre-norm Multi-Path decoder layer: the encoder layer's construction applied to masked
-    self-attention, encoder-decoder attention and FFN (an extension beyond Lin et al., 2022)."""
+    self-attention, encoder-decoder attention and FFN (an extension beyond Lin et al., 2022). The
+    readable form (full sequences): ``ReferenceMultiPathDecoderLayer`` in
+    multipath_nmt/testing/multipath_reference.py."""
 
     def __init__(self, embed_dim: int, ffn_dim: int, num_heads: int, num_paths: int,
                  path_norm: bool = True, learnable_weights: bool = True,
                  cheap_features: bool = False, dropout: float = 0.0,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 activation: str = "relu", encoder_embed_dim: Optional[int] = None,
+                 activation_fn: Callable = F.relu, encoder_embed_dim: Optional[int] = None,
                  no_encoder_attn: bool = False):
         super().__init__()
         mixer = partial(PathMixer, num_paths, embed_dim, path_norm=path_norm,
@@ -450,7 +447,7 @@ class MultiPathDecoderLayer(nn.Module):
                 dropout=attention_dropout, encoder_decoder_attention=True)
             self.encoder_attn_mixer = mixer()
         self.final_layer_norm = nn.LayerNorm(embed_dim)
-        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation,
+        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation_fn,
                                         activation_dropout)
         self.ffn_mixer = mixer()
 

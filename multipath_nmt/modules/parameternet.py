@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multipath_nmt.modules.moe import TopKRouter, init_experts_like_linear_
+from multipath_nmt.modules.moe import FlatTokens, TopKRouter, init_experts_like_linear_
 
 PROJECTIONS = ("up", "down", "both")
 MODES = ("routed", "dynamic")
@@ -151,14 +151,13 @@ class RoutedLinear(nn.Module):
     def forward(self, x, padding_mask=None):
         """Returns (y, kept): kept [T, B] bool marks the tokens the capacity let through;
         dropped and padding tokens get y = 0."""
-        tokens = x.reshape(-1, x.shape[-1])
-        valid = None if padding_mask is None else ~padding_mask.t().reshape(-1)
-        routing = self.router(tokens, valid)
-        expert_input = routing.dispatch(tokens)
+        tokens = FlatTokens.of(x, padding_mask)
+        routing = self.router(tokens.rows, tokens.valid)
+        expert_input = routing.dispatch(tokens.rows)
         expert_output = torch.baddbmm(self.bias.unsqueeze(1), expert_input, self.weight)
         y = routing.combine(expert_output)
         kept = routing.plan.kept.squeeze(1) > 0  # k = 1: one assignment per token
-        return y.view(*x.shape[:-1], -1), kept.view(x.shape[:-1])
+        return tokens.unflatten(y), tokens.unflatten(kept)
 
     def pop_routing_stats(self):
         return self.router.pop_routing_stats()

@@ -18,16 +18,16 @@ from multipath_nmt.modules.moe import MoEFeedForward
 class FeedForward(nn.Module):
     """The dense Transformer FFN, fc2(dropout(act(fc1(x)))), for the fully shared (ALBERT) ablation."""
 
-    def __init__(self, embed_dim: int, ffn_dim: int, activation: Callable = F.relu,
+    def __init__(self, embed_dim: int, ffn_dim: int, activation_fn: Callable = F.relu,
                  activation_dropout: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(embed_dim, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, embed_dim)
-        self.activation = activation
+        self.activation_fn = activation_fn
         self.activation_dropout = nn.Dropout(activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.activation_dropout(self.activation(self.fc1(x))))
+        return self.fc2(self.activation_dropout(self.activation_fn(self.fc1(x))))
 
 
 class WideNetEncoderStack(nn.Module):

@@ -1,4 +1,5 @@
-"""Reference Multi-Path Transformer layers (Lin et al., 2022): a Python loop over ordinary modules.
+"""Reference Multi-Path Transformer layers (Lin et al., 2022): a Python loop over ordinary modules,
+the readable form of the fused layers of :mod:`multipath_nmt.modules.multipath`.
 
 Y = beta * X + sum_f alpha_f * PathNorm_f(H_f) written the obvious way, one nn.MultiheadAttention,
 one pair of nn.Linear and one nn.LayerNorm per path. Same constructor arguments as the batched
@@ -6,13 +7,13 @@ layers of :mod:`multipath_nmt.modules.multipath`; ``batched_state_dict()`` and
 ``load_batched_state_dict()`` convert weights between the two layouts, so the batched layers can
 be tested (and benchmarked) against these.
 """
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multipath_nmt.modules.multipath import activation_function, fixed_path_weight
+from multipath_nmt.modules.multipath import fixed_path_weight
 
 Tensors = Dict[str, Tensor]
 
@@ -139,26 +140,26 @@ class ReferenceMultiPathAttention(nn.Module):
 
 
 class _FeedForward(nn.Module):
-    def __init__(self, embed_dim, ffn_dim, activation, activation_dropout):
+    def __init__(self, embed_dim, ffn_dim, activation_fn, activation_dropout):
         super().__init__()
         self.fc1 = nn.Linear(embed_dim, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, embed_dim)
-        self.activation = activation_function(activation)
+        self.activation_fn = activation_fn
         self.activation_dropout = activation_dropout
 
     def forward(self, x):
-        hidden = F.dropout(self.activation(self.fc1(x)), self.activation_dropout, self.training)
+        hidden = F.dropout(self.activation_fn(self.fc1(x)), self.activation_dropout, self.training)
         return self.fc2(hidden)
 
 
 class ReferenceMultiPathFeedForward(nn.Module):
     """n two-layer FFNs called one after the other."""
 
-    def __init__(self, num_paths: int, embed_dim: int, ffn_dim: int, activation: str = "relu",
-                 activation_dropout: float = 0.0):
+    def __init__(self, num_paths: int, embed_dim: int, ffn_dim: int,
+                 activation_fn: Callable = F.relu, activation_dropout: float = 0.0):
         super().__init__()
         self.num_paths = num_paths
-        self.paths = nn.ModuleList(_FeedForward(embed_dim, ffn_dim, activation,
+        self.paths = nn.ModuleList(_FeedForward(embed_dim, ffn_dim, activation_fn,
                                                 activation_dropout) for _ in range(num_paths))
 
     def forward(self, x: Tensor) -> List[Tensor]:
@@ -219,7 +220,7 @@ class ReferenceMultiPathEncoderLayer(_ReferenceLayer):
                  path_norm: bool = True, learnable_weights: bool = True,
                  cheap_features: bool = False, dropout: float = 0.0,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 activation: str = "relu"):
+                 activation_fn: Callable = F.relu):
         super().__init__()
         mixer_args = dict(path_norm=path_norm, learnable_weights=learnable_weights,
                           cheap_features=cheap_features, dropout=dropout)
@@ -228,7 +229,7 @@ class ReferenceMultiPathEncoderLayer(_ReferenceLayer):
                                                      dropout=attention_dropout)
         self.self_attn_mixer = ReferencePathMixer(num_paths, embed_dim, **mixer_args)
         self.final_layer_norm = nn.LayerNorm(embed_dim)
-        self.ffn = ReferenceMultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation,
+        self.ffn = ReferenceMultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation_fn,
                                                  activation_dropout)
         self.ffn_mixer = ReferencePathMixer(num_paths, embed_dim, **mixer_args)
 
@@ -248,7 +249,7 @@ class ReferenceMultiPathDecoderLayer(_ReferenceLayer):
                  path_norm: bool = True, learnable_weights: bool = True,
                  cheap_features: bool = False, dropout: float = 0.0,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 activation: str = "relu", encoder_embed_dim: Optional[int] = None,
+                 activation_fn: Callable = F.relu, encoder_embed_dim: Optional[int] = None,
                  no_encoder_attn: bool = False):
         super().__init__()
         mixer_args = dict(path_norm=path_norm, learnable_weights=learnable_weights,
@@ -266,7 +267,7 @@ class ReferenceMultiPathDecoderLayer(_ReferenceLayer):
                 dropout=attention_dropout, encoder_decoder_attention=True)
             self.encoder_attn_mixer = ReferencePathMixer(num_paths, embed_dim, **mixer_args)
         self.final_layer_norm = nn.LayerNorm(embed_dim)
-        self.ffn = ReferenceMultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation,
+        self.ffn = ReferenceMultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation_fn,
                                                  activation_dropout)
         self.ffn_mixer = ReferencePathMixer(num_paths, embed_dim, **mixer_args)
 
