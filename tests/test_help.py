@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
+import multipath_nmt  # noqa: F401  (installs the --help fix, registers the models)
 from conftest import ROOT, USER_DIR, run_cli
 
 FAIRSEQ_TRAIN = Path(sys.executable).with_name("fairseq-train")
 
 
 @functools.lru_cache(maxsize=None)  # one fairseq-train start per command line
-def train_help(*args, user_dir=True):
-    cmd = [FAIRSEQ_TRAIN, *args, "--help"] + (["--user-dir", USER_DIR] if user_dir else [])
+def train_help(*args):
+    cmd = [FAIRSEQ_TRAIN, *args, "--help", "--user-dir", USER_DIR]
     out = run_cli(cmd).stdout
     assert "usage: fairseq-train" in out, out[-2000:]
     return out[out.index("usage: fairseq-train"):]  # after fairseq's import-time log lines
@@ -58,20 +59,26 @@ def test_help_lists_the_task_and_optimizer_flags_too():
     assert "--adam-betas" in text and "--source-lang" in text
 
 
-def test_stock_fairseq_help_still_stops_before_the_model_flags():
-    """Without the plug-in nothing changes (so the fix is ours, not fairseq's)."""
-    assert "--encoder-layers" not in train_help("--arch", "transformer_wmt_en_de",
-                                                user_dir=False)
-
-
 def test_training_still_parses_after_the_help_fix():
-    import multipath_nmt  # noqa: F401  (installs the fix)
     from fairseq import options
 
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, ["data", "--arch", "multipath_l6_p4_wmt_en_de",
                                                 "--decoder-paths", "2"])
     assert (args.encoder_paths, args.decoder_paths, args.encoder_layers) == (4, 2, 6)
+
+
+def test_every_path_flag_has_help_in_fairseq_train_parser():
+    from fairseq import options
+
+    parser = options.get_training_parser()
+    options.parse_args_and_arch(parser, ["data", "--arch", "multipath_l6_p4_wmt_en_de"])
+    helps = {flag: action.help for action in parser._actions for flag in action.option_strings}
+    for flag in ("--encoder-paths", "--decoder-paths", "--no-path-norm", "--path-weights",
+                 "--cheap-features"):
+        assert helps.get(flag), flag
+    assert "1/sqrt(m) with PathNorm" in helps["--path-weights"]
+    assert "1/m without PathNorm" in helps["--path-weights"]
 
 
 # --- the README's table -------------------------------------------------------------------------
@@ -104,7 +111,6 @@ def added_flags(model_cls):
 
 
 def test_readme_model_flags_table_lists_exactly_each_models_flags_and_archs():
-    import multipath_nmt  # noqa: F401  (registers the models)
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY, MODEL_REGISTRY
 
     rows = readme_model_flags()

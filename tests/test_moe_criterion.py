@@ -9,8 +9,8 @@ from fairseq import metrics
 
 from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
     LabelSmoothedCrossEntropyWithMoeCriterion,
-    pop_all_routing_stats,
 )
+from multipath_nmt.modules.moe import pop_all_routing_stats
 
 CRITERION = ["--criterion", "label_smoothed_cross_entropy_with_moe"]
 

@@ -8,7 +8,6 @@ import torch
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fairseq import options
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
@@ -34,8 +33,6 @@ TABLE_2 = {
     "transformer_deep36_wmt_en_de": 156,
     "transformer_deep48_wmt_en_de": 193,
 }
-PATH_FLAGS = ("--encoder-paths", "--decoder-paths", "--no-path-norm", "--path-weights",
-              "--cheap-features")
 
 
 def _tiny(arch="multipath_transformer", *flags):
@@ -62,16 +59,6 @@ def test_parameter_counts_within_1_5_percent_of_table_2(arch):
 def test_base_model_has_the_papers_62m_parameters():
     total = parameter_counts(build_model("transformer_prenorm_wmt_en_de", PAPER_DICT_SIZE))
     assert round(total["total"] / 1e6) == 62
-
-
-def test_every_path_flag_has_help_in_fairseq_train_parser():
-    parser = options.get_training_parser()
-    options.parse_args_and_arch(parser, ["data", "--arch", "multipath_l6_p4_wmt_en_de"])
-    helps = {flag: action.help for action in parser._actions for flag in action.option_strings}
-    for flag in PATH_FLAGS:
-        assert helps.get(flag), flag
-    assert "1/sqrt(m) with PathNorm" in helps["--path-weights"]
-    assert "1/m without PathNorm" in helps["--path-weights"]
 
 
 @pytest.mark.parametrize("layers,paths", PRESETS)

@@ -4,7 +4,6 @@ fused kernel: same numbers on its own, under fairseq's fp16 wrappers, and over 1
 import pytest
 import torch
 
-import multipath_nmt  # noqa: F401  (registers the optimizer)
 from conftest import TRAIN_FLAGS
 from fairseq.optim.adam import Adam
 from helpers.training import assert_same_tensors, load_model_state, run, train_command
