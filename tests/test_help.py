@@ -123,3 +123,20 @@ def test_readme_model_flags_table_lists_exactly_each_models_flags_and_archs():
         registered = {a for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m == model and a != model}
         assert {a for a in registered if not any(p.match(a) for p in patterns)} == set(), model
         assert all(any(p.match(a) for a in registered) for p in patterns), model
+
+
+def test_the_routing_flags_are_one_declaration_shared_by_the_routed_models():
+    from multipath_nmt.models.moe_transformer import MoETransformerModel
+    from multipath_nmt.models.widenet_transformer import WideNetTransformerModel
+
+    def routing_flags(model_cls):
+        parser = argparse.ArgumentParser(add_help=False)
+        model_cls.add_args(parser)
+        return {flag: (a.help, a.type, a.metavar) for a in parser._actions
+                for flag in a.option_strings
+                if flag.startswith("--moe-") and a.dest != "moe_routing_groups"}
+
+    shared = routing_flags(WideNetTransformerModel)
+    assert set(shared) == {"--moe-experts", "--moe-top-k", "--moe-capacity-factor",
+                           "--moe-capacity-at-inference"}
+    assert routing_flags(MoETransformerModel) == shared

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from multipath_nmt.modules.moe import (
+    FlatTokens,
     MoEFeedForward,
     TopKRouter,
     expert_capacity,
@@ -19,6 +20,21 @@ def identity_router(num_experts, k, capacity_factor, noise=False):
     with torch.no_grad():
         router.weight.copy_(torch.eye(num_experts))
     return router.eval()
+
+
+def test_flat_tokens_are_time_major_rows_with_their_padding_and_go_back():
+    x = torch.arange(2 * 3 * 4.0).view(2, 3, 4)  # [T, B, d]
+    padding_mask = torch.tensor([[False, False], [False, True], [True, True]])  # [B, T]
+    tokens = FlatTokens.of(x, padding_mask)
+    assert torch.equal(tokens.rows[4], x[1, 1])  # row t * B + b
+    assert tokens.padding.tolist() == [False, False, True, False, True, True]
+    assert tokens.valid.tolist() == [True, True, False, True, False, False]
+    assert torch.equal(tokens.unflatten(tokens.rows), x)
+    assert tokens.unflatten(tokens.padding).shape == (2, 3)  # per-token values, no feature dim
+    assert tokens.unflatten(torch.zeros(6, 7)).shape == (2, 3, 7)  # another width
+    flat = FlatTokens.of(x.view(6, 4), tokens.padding)  # [S, d] with [S]: as they are
+    assert torch.equal(flat.rows, tokens.rows) and torch.equal(flat.padding, tokens.padding)
+    assert FlatTokens.of(x).padding is None and FlatTokens.of(x).valid is None
 
 
 @pytest.mark.parametrize("factor,k,tokens,experts,expected", [

@@ -107,6 +107,13 @@ def test_table_4_ablation_flags(flags, norm, weights, features):
         assert mixer.residual_weight.item() == 1.0
 
 
+def test_activation_fn_names_the_multipath_layers_activation():
+    layer = _tiny("multipath_transformer", "--activation-fn", "gelu", "--decoder-paths",
+                  "2").decoder.layers[0]
+    assert layer.ffn.activation_fn is torch.nn.functional.gelu
+    assert _tiny().encoder.layers[0].ffn.activation_fn is torch.nn.functional.relu
+
+
 def test_decoder_paths():
     assert all(isinstance(layer, TransformerDecoderLayerBase)
                for layer in _tiny().decoder.layers)
