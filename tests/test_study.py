@@ -1,4 +1,5 @@
-"""The Multi30k study (examples/multi30k/study.sh, multipath_nmt/study.py)."""
+"""The Multi30k study (examples/multi30k/study.sh and study.py)."""
+import importlib.util
 import json
 import os
 import re
@@ -6,11 +7,25 @@ import sys
 
 import pytest
 
-from conftest import ROOT, clean_env, run_cli
-from multipath_nmt import study
-from multipath_nmt import params
+from conftest import ROOT, clean_env, dictionaries_only_data_bin, run_cli
+import multipath_nmt
+from multipath_nmt import params, recipe
 
 STUDY_SH = ROOT / "examples" / "multi30k" / "study.sh"
+
+
+def _import_study():
+    """examples/multi30k/study.py, an experiment beside its example and not a module of the
+    package, imported from its file (registered in sys.modules, as its dataclasses need)."""
+    spec = importlib.util.spec_from_file_location("multi30k_study",
+                                                  ROOT / "examples" / "multi30k" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+study = _import_study()
 
 
 def test_training_stats_sum_tokens_and_step_time_over_epochs():
@@ -242,7 +257,7 @@ def test_table_marks_differences_not_significant_in_some_seed():
                      "base": ["+0.00 †", "0.001"]}
 
 
-def test_parallel_runs_and_devices_that_cannot_work_are_refused():
+def test_parallel_runs_and_devices_that_cannot_work_are_refused(tmp_path):
     updates, minutes = study.Budget(updates=100), study.Budget(minutes=1.0)
     with pytest.raises(study.StudyError, match="^--parallel 2 runs several trainings on one "
                                                "GPU; on the CPU the runs go one at a time"):
@@ -257,8 +272,15 @@ def test_parallel_runs_and_devices_that_cannot_work_are_refused():
         with pytest.raises(study.StudyError, match="--parallel 2 needs the equal-updates budget"):
             study.resolve_device("cuda", 2, minutes)
     # each run sees one device: the study's batch (2,048 tokens) on any machine
-    assert study._env("cuda")["MULTIPATH_NMT_NUM_GPUS"] == "1"
-    assert study._env("cpu")["MULTIPATH_NMT_NUM_GPUS"] == "0"
+    data_bin = dictionaries_only_data_bin(tmp_path / "bin", "en", "de", True)
+    for device, unit, device_flags in (("cuda", "1 GPU(s)", ["--distributed-world-size", "1"]),
+                                       ("cpu", "1 CPU process", ["--cpu"])):
+        command = study.train_command("transformer_prenorm_wmt_en_de", study.SHARED_RECIPE,
+                                      data_bin, tmp_path / "save", device)
+        assert (f"batch: 2,048 max-tokens x {unit} x 1 update-freq = 2,048 tokens per update "
+                "(--update-freq given: not the recipe's batch)") in command.notes
+        start = command.argv.index(device_flags[0])
+        assert command.argv[start:start + len(device_flags)] == device_flags
 
 
 def test_budgets_give_fairseq_the_same_updates_or_time_and_separate_run_folders():
@@ -281,13 +303,25 @@ def test_budgets_give_fairseq_the_same_updates_or_time_and_separate_run_folders(
     assert flags["mp_learnable"][-2:] == ["--path-weights", "learnable"]
 
 
-def test_without_the_source_trees_scripts_the_study_says_what_it_needs(tmp_path, monkeypatch):
-    assert study.script("train.sh") == ROOT / "scripts" / "train.sh"
-    monkeypatch.setattr(study, "SCRIPTS", tmp_path)  # as in a wheel: no scripts/ folder
-    with pytest.raises(study.StudyError, match=f"^{tmp_path}/train.sh not found: the study runs "
-                                               "the toolkit's scripts/train.sh, which come with "
-                                               "a source checkout"):
-        study.script("train.sh")
+def test_the_study_runs_fairseq_with_the_installed_plugin_not_the_source_trees_scripts(
+        tmp_path):
+    """From a pip install (no scripts/ folder): fairseq-train and fairseq-generate of this
+    interpreter with the installed package as --user-dir, train.sh's recipe under the study's."""
+    data_bin = dictionaries_only_data_bin(tmp_path / "bin", "en", "de", True)
+    deep = next(s for s in study.SYSTEMS if s.name == "deep")
+    train = study.train_command(deep.arch, study.model_flags(deep) + study.SHARED_RECIPE,
+                                data_bin, tmp_path / "save")
+    checkpoint = tmp_path / "checkpoint.pt"
+    generate = recipe.generate_command(data_bin, checkpoint, ["--gen-subset", "valid",
+                                                                    *study.DECODING], gpus=0)
+    for command, tool in ((train, "fairseq_cli.train"), (generate, "fairseq_cli.generate")):
+        assert command.argv[:4] == [sys.executable, "-m", tool, str(data_bin)]
+        assert command.argv[command.argv.index("--user-dir") + 1] == multipath_nmt.USER_DIR
+    # the study's recipe comes last, so it overrides train.sh's (fairseq keeps the last value);
+    # its --max-tokens 2048 is train.sh's own cap, which the batch arithmetic applies
+    assert study.SHARED_RECIPE[:2] == ["--max-tokens", "2048"]
+    assert train.argv[-(len(study.SHARED_RECIPE) - 2):] == study.SHARED_RECIPE[2:]
+    assert train.argv[train.argv.index("--max-tokens") + 1] == "2048"
 
 
 def test_a_run_folder_from_other_flags_is_refused(tmp_path):

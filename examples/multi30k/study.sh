@@ -11,5 +11,6 @@
 # work/multi30k, results/multi30k. Rerunning skips finished runs.
 # PYTHON selects the interpreter with multipath_nmt installed (default: python).
 set -euo pipefail
-echo "== study.sh: ${PYTHON:-python} -m multipath_nmt.study $*"
-exec "${PYTHON:-python}" -m multipath_nmt.study "$@"
+study=$(dirname "$0")/study.py
+echo "== study.sh: ${PYTHON:-python} $study $*"
+exec "${PYTHON:-python}" "$study" "$@"

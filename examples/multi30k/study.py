@@ -1,4 +1,4 @@
-"""The Multi30k En-De study (examples/multi30k): does width beat depth at equal parameters?
+"""The Multi30k En-De study: does width beat depth at equal parameters?
 
 Every system trains with one recipe and one batch (2,048 tokens per update) for the same budget:
 the same number of updates (fairseq's ``--max-update``, the default; the validation loss is
@@ -11,6 +11,12 @@ with a wider encoder FFN, the multi-path L x n forms of the paper's ablation (Ta
 EWA and ParameterNet, all but the base at about the parameters of the 2L model. Everything is
 restartable: finished stages are skipped. Results: ``study.md`` (table), ``study.json``,
 ``study.png`` (BLEU vs parameters) and ``study-valid-loss.png`` (validation loss vs updates).
+
+It calls the multipath_nmt library (an installed package is enough, no source checkout): the
+data preparation, averaging, EWA folding, scoring and parameter counts run in this process, and
+fairseq-train and fairseq-generate as subprocesses with the recipe of scripts/train.sh and
+scripts/translate.sh (``multipath_nmt.recipe``). Run it as ``examples/multi30k/study.sh`` or
+``python examples/multi30k/study.py``.
 """
 import argparse
 import gzip
@@ -25,14 +31,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from io import StringIO
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from multipath_nmt.cli import positive_int
+from multipath_nmt import averaging, params, recipe, scoring
+from multipath_nmt.atomic_files import write_atomically, write_text_atomically
+from multipath_nmt.checkpoints import read_checkpoint
+from multipath_nmt.ewa_folding import convert_ewa_checkpoint
+from multipath_nmt.pipeline.prepare import PrepareError, prepare_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
 LANGS = ("en", "de")
 # Multi30k task 1 file names (github.com/multi30k/dataset, data/task1/raw)
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
@@ -48,9 +55,10 @@ SHARED_MODEL = [
     "--decoder-layers", "3", "--decoder-ffn-embed-dim", "512", "--dropout", "0.1",
 ]
 # One recipe for every system (train.sh's per-family recipes are overridden): a short warmup and
-# a high learning rate because the budget allows thousands, not 100k, updates. --update-freq
-# given to train.sh replaces its batch arithmetic: 2,048 max-tokens x 1 process x 1 = 2,048 tokens
-# per update (the study runs every training on one device, see _env).
+# a high learning rate because the budget allows thousands, not 100k, updates. These are
+# train.sh's arguments (recipe.train_command): --update-freq replaces its batch arithmetic,
+# 2,048 max-tokens x 1 process x 1 = 2,048 tokens per update (the study runs every training on
+# one device, see DEVICE_GPUS).
 SHARED_RECIPE = [
     "--max-tokens", "2048", "--update-freq", "1", "--lr", "0.002", "--warmup-updates", "100",
     "--keep-last-epochs", "5", "--num-workers", "0",
@@ -69,7 +77,7 @@ PLATEAU_TOLERANCE = 0.01
 BOOTSTRAP_SAMPLES = 1000
 SIGNIFICANCE_LEVEL = 0.05
 BASELINE = "deep"
-# The paper's decoding (beam 4, lenpen 0.6, in translate.sh) with a length cap, so that an
+# The paper's decoding (beam 4, lenpen 0.6, recipe.generate_command) with a length cap, so that an
 # undertrained model cannot spend minutes emitting 200-token hypotheses.
 DECODING = ["--batch-size", "128", "--max-len-a", "1.2", "--max-len-b", "10"]
 AVERAGE_LAST = 5
@@ -217,32 +225,30 @@ def subsample(data_dir: Path, out_dir: Path, max_train: Optional[int],
         for lang in LANGS:
             target = out_dir / f"{stem}.{lang}"
             if not target.exists():
-                tmp = target.with_suffix(target.suffix + ".tmp")
-                tmp.write_text("".join(_read_lines(find_text(data_dir / stem, lang), limit)),
-                               encoding="utf-8")
-                os.replace(tmp, target)
+                write_text_atomically(
+                    target, "".join(_read_lines(find_text(data_dir / stem, lang), limit)))
     return out_dir
 
 
 def prepare(data_dir: Path, work: Path, max_train: Optional[int], max_eval: Optional[int],
             workers: int) -> Path:
-    """Multi30k En-De -> ``work/<tag>/data-bin`` with scripts/prepare-corpus.sh (restartable)."""
+    """Multi30k En-De -> ``work/<tag>/data-bin`` as multipath-prepare corpus writes it
+    (restartable; its progress goes to stderr)."""
     check_multi30k(data_dir)
     tag = "full" if max_train is None and max_eval is None else \
         f"train{max_train or 'all'}-eval{max_eval or 'all'}"
     root = work / tag
     text = subsample(data_dir, root / "text", max_train, max_eval) if tag != "full" else data_dir
     data_bin = root / "data-bin"
-    if (data_bin / "dict.en.txt").is_file():  # prepare-corpus.sh renames it into place when done
+    if (data_bin / "dict.en.txt").is_file():  # prepare_corpus renames it into place when done
         log(f"{data_bin} already prepared")
         return data_bin
     log(f"preparing Multi30k En-De from {data_dir} (BPE {BPE_MERGES} merges) -> {data_bin}")
-    # scripts/prepare-corpus.sh is this command (multipath-prepare corpus), which also works from
-    # an installed package
-    run([sys.executable, "-m", "multipath_nmt.cli.prepare", "corpus", "--src", "en", "--tgt", "de",
-         "--train", text / SPLITS["train"], "--valid", text / SPLITS["valid"],
-         "--test", text / SPLITS["test"], "--out", data_bin, "--bpe-merges", str(BPE_MERGES),
-         "--workers", str(workers)], root / "prepare.log")
+    try:
+        prepare_corpus("en", "de", text / SPLITS["train"], text / SPLITS["valid"],
+                       text / SPLITS["test"], data_bin, bpe_merges=BPE_MERGES, workers=workers)
+    except PrepareError as err:
+        raise StudyError(f"preparing {data_bin}: {err}") from err
     return data_bin
 
 
@@ -263,7 +269,6 @@ def model_flags(system: System, ffn: Optional[int] = None) -> List[str]:
 
 def count_parameters(arch: str, flags: Sequence[str], dict_size: int) -> Dict[str, int]:
     """Total and active parameters as ``multipath-params`` counts them."""
-    from multipath_nmt import params
     return params.parameter_counts(params.build_model(arch, dict_size, flags))
 
 
@@ -294,39 +299,40 @@ def resolve_flags(systems: Sequence[System], dict_size: int) -> Dict[str, List[s
 
 # ------------------------------------------------------------------------------ running
 
-def _env(device: str = "cpu"):
-    """The scripts run this interpreter and find its console scripts (multipath-prepare); each
-    training and decoding process uses one device: the CPU, or one GPU (the first visible one;
-    CUDA_VISIBLE_DEVICES selects it), so the batch is the study's 2,048 tokens per update on any
-    machine and train.sh/translate.sh switch to half precision on the GPU (train.sh: --amp for
-    multi-path models, --fp16 for the others; decoding --fp16)."""
-    bin_dir = os.path.dirname(sys.executable)
-    return dict(os.environ, PYTHON=sys.executable,
-                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                MULTIPATH_NMT_NUM_GPUS="1" if device == "cuda" else "0")
+# Each training and decoding process uses one device: the CPU, or one GPU (the first visible one;
+# CUDA_VISIBLE_DEVICES selects it), so the batch is the study's 2,048 tokens per update on any
+# machine. On the GPU the recipe trains in half precision (--amp for multi-path models, --fp16 for
+# the others) and decodes in --fp16.
+DEVICE_GPUS = {"cpu": 0, "cuda": 1}
 
 
-def script(name: str) -> Path:
-    """A script of the source tree (scripts/train.sh, translate.sh), which a wheel does not have."""
-    path = SCRIPTS / name
-    if not path.is_file():
-        raise StudyError(f"{path} not found: the study runs the toolkit's scripts/{name}, which "
-                         "come with a source checkout (git clone, then pip install -e .)")
-    return path
+def train_command(arch: str, flags: Sequence[str], data_bin: Path, save_dir: Path,
+                  device: str = "cpu") -> recipe.Command:
+    """fairseq-train with train.sh's recipe, overridden by the study's (``flags`` last)."""
+    try:
+        return recipe.train_command(data_bin, save_dir, ["--arch", arch, *flags],
+                                    gpus=DEVICE_GPUS[device])
+    except recipe.RecipeError as err:
+        raise StudyError(str(err)) from err
 
 
-def run(cmd, log_path: Path, device: str = "cpu") -> float:
-    """Run ``cmd`` with its output appended to ``log_path``; seconds taken; StudyError on failure."""
-    cmd = [str(c) for c in cmd]
+def run(command: recipe.Command, log_path: Path, stdout: Optional[Path] = None) -> float:
+    """Run ``command`` with its notes and its output appended to ``log_path`` (its standard
+    output to ``stdout`` when given); seconds taken; StudyError on failure."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with open(log_path, "a") as out:
-        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.write(f"\n$ {' '.join(command.argv)}\n")
+        out.write("".join(f"recipe: {note}\n" for note in command.notes))
         out.flush()
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(device))
+        if stdout is None:
+            code = subprocess.call(command.argv, stdout=out, stderr=subprocess.STDOUT)
+        else:
+            with open(stdout, "wb") as output:
+                code = subprocess.call(command.argv, stdout=output, stderr=out)
     if code != 0:
         tail = "".join(open(log_path, errors="replace").readlines()[-25:])
-        raise StudyError(f"{Path(cmd[0]).name} exited with {code}; last lines of {log_path}:\n"
+        raise StudyError(f"{command.argv[2]} exited with {code}; last lines of {log_path}:\n"
                          f"{tail}")
     return time.monotonic() - start
 
@@ -397,7 +403,6 @@ def plateau(curve: Sequence[Tuple[int, float]], window: float = PLATEAU_WINDOW,
 
 
 def checkpoint_updates(path: Path) -> int:
-    from multipath_nmt.checkpoints import read_checkpoint
     state = read_checkpoint(path)
     return state["optimizer_history"][-1]["num_updates"]
 
@@ -417,23 +422,20 @@ def checkpoints_to_average(save_dir: Path, count: int = AVERAGE_LAST) -> List[Pa
 
 
 def bleu_scores(generate_output: Path) -> Dict[str, object]:
-    """multipath-score --generate-output FILE --lang de: tokenized multi-bleu and sacreBLEU."""
-    from multipath_nmt.cli import score
-    out = StringIO()
-    score.score(score.get_parser().parse_args(
-        ["--generate-output", str(generate_output), "--lang", "de"]), out=out)
-    multi_bleu, sacre = out.getvalue().splitlines()[:2]
-    sacre_value, signature = sacre.split(" | ")[:2]
-    return {"bleu": float(re.match(r"BLEU = ([0-9.]+)", multi_bleu).group(1)),
-            "multi_bleu": multi_bleu,
-            "sacrebleu": float(sacre_value.split("=")[1]),
-            "sacrebleu_signature": signature}
+    """What ``multipath-score --generate-output FILE --lang de`` prints: tokenized multi-bleu and
+    sacreBLEU on the Moses-detokenized text, each as printed (2 decimals)."""
+    hyps, refs = scoring.read_generate_output(generate_output)
+    multi_bleu = scoring.multi_bleu([h.encode("utf-8", "surrogateescape") for h in hyps],
+                                    [[r.encode("utf-8", "surrogateescape") for r in refs]])
+    sacre, signature = scoring.sacrebleu_score(scoring.detokenize(hyps, "de"),
+                                               [scoring.detokenize(refs, "de")])
+    return {"bleu": round(100 * multi_bleu.bleu, 2), "multi_bleu": str(multi_bleu),
+            "sacrebleu": round(sacre.score, 2), "sacrebleu_signature": str(signature)}
 
 
 def detokenized_translations(generate_output: Path) -> Tuple[List[str], List[str]]:
     """Hypotheses and references of a fairseq-generate output, Moses-detokenized for German:
     the text the sacreBLEU column scores (``multipath-score --generate-output F --lang de``)."""
-    from multipath_nmt import scoring
     hyps, refs = scoring.read_generate_output(generate_output)
     return scoring.detokenize(hyps, "de"), scoring.detokenize(refs, "de")
 
@@ -463,13 +465,12 @@ def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references:
 
 
 def write_json(path: Path, value) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(value, indent=2) + "\n")
 
 
-# Steps that run inside this process (averaging, scoring, model builds) take turns when several
-# runs go at once (--parallel): the trainings and translations are the subprocesses that overlap.
+# Steps that run inside this process (averaging, EWA folding, scoring, model builds) take turns
+# when several runs go at once (--parallel): the trainings and translations are the subprocesses
+# that overlap.
 IN_PROCESS = threading.Lock()
 
 
@@ -482,6 +483,20 @@ def _same_flags(path: Path, flags: List[str]) -> None:
             raise StudyError(f"{path} was trained with other flags ({' '.join(recorded)}) than "
                              f"this study's ({' '.join(flags)}); remove {path.parent} or use "
                              "another --work")
+
+
+def translate(data_bin: Path, checkpoint: Path, out_prefix: Path, subset: str,
+              device: str = "cpu") -> None:
+    """``subset`` as translate.sh translates it (OUT.generate, OUT.hyp and OUT.ref), with the
+    study's length cap; fairseq-generate's log goes to translate.log beside them."""
+    command = recipe.generate_command(data_bin, checkpoint, ["--gen-subset", subset, *DECODING],
+                                      gpus=DEVICE_GPUS[device])
+    run(command, out_prefix.parent / "translate.log",
+        stdout=out_prefix.with_name(out_prefix.name + ".generate.tmp"))
+    try:
+        recipe.finish_translation(out_prefix)
+    except recipe.RecipeError as err:
+        raise StudyError(str(err)) from err
 
 
 def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_dir: Path,
@@ -508,9 +523,10 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
     if not train_done.is_file():
         log(f"{system.name} seed {seed}: training ({budget.describe()}) on {device} -> "
             f"{save_dir}")
-        seconds = run([script("train.sh"), data_bin, save_dir, "--arch", system.arch, *flags,
-                       *SHARED_RECIPE, *budget.training_flags(), "--seed", str(seed), *extra],
-                      train_log, device)
+        command = train_command(system.arch, [*flags, *SHARED_RECIPE, *budget.training_flags(),
+                                              "--seed", str(seed), *extra],
+                                data_bin, save_dir, device)
+        seconds = run(command, train_log)
         write_json(train_done, {"wall_seconds": round(seconds, 1), "flags": flags})
     wall = json.loads(train_done.read_text())["wall_seconds"]
 
@@ -518,24 +534,22 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
     with IN_PROCESS:
         inputs = checkpoints_to_average(save_dir)
         if not averaged.is_file():
-            from multipath_nmt.averaging import average_checkpoints, save_atomically
             log(f"{system.name} seed {seed}: averaging {', '.join(p.name for p in inputs)}")
-            save_atomically(average_checkpoints([str(p) for p in inputs]), averaged)
-    test_checkpoint = averaged
-    if system.name == "ewa":
-        test_checkpoint = run_dir / "checkpoint_avg_dense.pt"
-        if not test_checkpoint.is_file():
-            log(f"{system.name} seed {seed}: folding the EWA experts into a dense model")
-            run([sys.executable, "-m", "multipath_nmt.cli.convert_ewa", averaged,
-                 test_checkpoint], run_dir / "convert.log")
+            averaging.save_atomically(
+                averaging.average_checkpoints([str(p) for p in inputs]), averaged)
+        test_checkpoint = averaged
+        if system.name == "ewa":
+            test_checkpoint = run_dir / "checkpoint_avg_dense.pt"
+            if not test_checkpoint.is_file():
+                log(f"{system.name} seed {seed}: folding the EWA experts into a dense model")
+                convert_ewa_checkpoint(averaged, test_checkpoint)
 
     scores = {}
     for subset in ("valid", "test"):
         generated = run_dir / f"{subset}.generate"
         if not generated.is_file():
             log(f"{system.name} seed {seed}: translating {subset}")
-            run([script("translate.sh"), data_bin, test_checkpoint, run_dir / subset,
-                 "--gen-subset", subset, *DECODING], run_dir / "translate.log", device)
+            translate(data_bin, test_checkpoint, run_dir / subset, subset, device)
         with IN_PROCESS:
             scores[subset] = bleu_scores(generated)
 
@@ -767,10 +781,8 @@ def plot(summaries: List[dict], path: Path, title: str) -> None:
 def _save_figure(figure, path: Path) -> None:
     import matplotlib.pyplot as plt
     figure.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    figure.savefig(tmp, dpi=120)
+    write_atomically(path, lambda out: figure.savefig(out, format="png", dpi=120))
     plt.close(figure)
-    os.replace(tmp, path)
 
 
 def mean_curve(curves: Sequence[Sequence[Tuple[int, float]]]):
@@ -873,9 +885,7 @@ def resolve_device(device: str, parallel: int, budget: Budget) -> str:
 def write_reports(report: dict, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
     write_json(results / "study.json", report)
-    tmp = results / "study.md.tmp"
-    tmp.write_text(markdown_report(report))
-    os.replace(tmp, results / "study.md")
+    write_text_atomically(results / "study.md", markdown_report(report))
     if not report["systems"]:  # no system has finished all its seeds yet
         return
     budget = ("equal updates" if report["config"].get("budget_updates")
@@ -907,8 +917,6 @@ def run_study(args) -> dict:
               else Budget(updates=args.budget_updates))
     systems = select_systems(args.systems, budget)
     device = resolve_device(args.device, args.parallel, budget)
-    for name in ("train.sh", "translate.sh"):  # before hours of preparation, not after
-        script(name)
     results = Path(args.results)
     data_bin = prepare(Path(args.data), Path(args.work), args.max_train_lines,
                        args.max_eval_lines, args.workers)
@@ -960,6 +968,13 @@ def run_study(args) -> dict:
     return report
 
 
+def _positive_int(value):
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
 def _positive_float(value):
     number = float(value)
     if number <= 0:
@@ -970,20 +985,20 @@ def _positive_float(value):
 def get_parser():
     parser = argparse.ArgumentParser(prog="study.sh", description=__doc__.split("\n")[0])
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget-updates", type=positive_int, default=DEFAULT_BUDGET_UPDATES,
+    budget.add_argument("--budget-updates", type=_positive_int, default=DEFAULT_BUDGET_UPDATES,
                         help="updates of 2,048 tokens per system and seed (fairseq "
                              f"--max-update; default {DEFAULT_BUDGET_UPDATES}, about 25 epochs), "
                              "with the validation loss logged along the way")
     budget.add_argument("--budget-minutes", type=_positive_float,
                         help="instead of equal updates: the same training time per system and "
                              "seed (fairseq --stop-time-hours), without validation")
-    parser.add_argument("--seeds", type=positive_int, default=1,
+    parser.add_argument("--seeds", type=_positive_int, default=1,
                         help="runs per system with seeds 1..N; the table shows mean and spread")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="cuda: train and decode in half precision (train.sh's --fp16 or, for "
                              "multi-path models, --amp) on one GPU (the first visible "
                              "one); auto (default): cuda when torch sees a GPU, else cpu")
-    parser.add_argument("--parallel", type=positive_int, default=1,
+    parser.add_argument("--parallel", type=_positive_int, default=1,
                         help="runs (training, averaging, decoding) at a time on the GPU "
                              "(default 1; the CPU runs one at a time)")
     parser.add_argument("--data", default=os.environ.get("MULTI30K_DIR", "data/multi30k"),
@@ -998,11 +1013,11 @@ def get_parser():
     parser.add_argument("--systems",
                         help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)} (default: "
                              f"{','.join(DEFAULT_SYSTEMS)})")
-    parser.add_argument("--max-train-lines", type=positive_int,
+    parser.add_argument("--max-train-lines", type=_positive_int,
                         help="only the first N training pairs (quick runs and tests)")
-    parser.add_argument("--max-eval-lines", type=positive_int,
+    parser.add_argument("--max-eval-lines", type=_positive_int,
                         help="only the first N valid and test pairs (quick runs and tests)")
-    parser.add_argument("--workers", type=positive_int, default=2,
+    parser.add_argument("--workers", type=_positive_int, default=2,
                         help="processes for data preparation (default 2)")
     return parser
 
