@@ -1,4 +1,5 @@
-"""multipath-bench at a tiny size: every report is written and the figures are consistent."""
+"""multipath-bench (multipath_nmt.benchmark) at a tiny size: every report is written and the
+figures are consistent; and its pieces one by one."""
 import json
 import sys
 
@@ -54,19 +55,19 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
 def test_every_system_reports_host_syncs_and_saved_bytes_of_one_micro_batch():
     """multipath-bench's per-system host-sync count (``HostSyncCounter`` over the task's
     train_step: forward, criterion, backward) and saved-for-backward bytes, at the tiny size."""
-    from multipath_nmt import benchmark
-    from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
-        pop_all_routing_stats,
-    )
+    from multipath_nmt.benchmark.batches import fake_data_dir, synthetic_batch
+    from multipath_nmt.benchmark.micro_batch import micro_batch_profile
+    from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
+    from multipath_nmt.modules.moe import pop_all_routing_stats
 
-    size = benchmark.SIZES["tiny"]
+    size = SIZES["tiny"]
     profiles = {}
-    with benchmark.fake_data_dir(size["vocab"]) as data:
-        for system in benchmark.systems_for(size):
-            trainer, task = benchmark.build_trainer(data, benchmark.fairseq_flags(size, system),
-                                                    "cpu", False, system.loop_reference)
-            sample = benchmark.synthetic_batch(size, len(task.source_dictionary))
-            profiles[system.name] = benchmark.micro_batch_profile(trainer, sample)
+    with fake_data_dir(size["vocab"]) as data:
+        for system in systems_for(size):
+            trainer, task = build_trainer(data, fairseq_flags(size, system), "cpu", False,
+                                          system.loop_reference)
+            sample = synthetic_batch(size, len(task.source_dictionary))
+            profiles[system.name] = micro_batch_profile(trainer, sample)
             # the extra pass leaves no gradients and no routing statistics behind
             assert all(p.grad is None for p in trainer.model.parameters())
             assert pop_all_routing_stats(trainer.model) == []
@@ -80,14 +81,13 @@ def test_every_system_reports_host_syncs_and_saved_bytes_of_one_micro_batch():
 
 
 def test_fast_systems_are_timed_over_as_long_a_window_as_slow_ones():
-    from multipath_nmt.benchmark import SIZES, steps_per_measurement
+    from multipath_nmt.benchmark.timing import steps_per_measurement
 
-    size = SIZES["default"]
-    assert (size["steps"], size["measure_seconds"]) == (3, 6.0)
+    size = dict(steps=3, measure_seconds=6.0)  # as the default size
     assert steps_per_measurement(size, 2.5) == 3  # 7.5 s: the minimum number of steps
     assert steps_per_measurement(size, 0.85) == 8  # 6.8 s, where 3 steps were 2.55 s
     assert steps_per_measurement(size, 2.0) == 3
-    assert steps_per_measurement(SIZES["tiny"], 0.01) == 1
+    assert steps_per_measurement(dict(steps=1, measure_seconds=0.0), 0.01) == 1  # as tiny
 
 
 def test_bench_refuses_fp16_on_cpu_and_unknown_systems(tmp_path):
@@ -112,7 +112,7 @@ def test_bench_refuses_cuda_without_a_gpu_in_one_line():
 
 
 def test_measurements_cycle_over_the_batches_from_the_first():
-    from multipath_nmt.benchmark import tokens_of_steps
+    from multipath_nmt.benchmark.timing import tokens_of_steps
 
     batches = [{"ntokens": 3}, {"ntokens": 5}, {"ntokens": 7}]
     assert [tokens_of_steps(batches, steps) for steps in (1, 3, 4, 7)] == [3, 15, 18, 33]
@@ -148,13 +148,13 @@ def test_bench_padded_mode_runs_on_the_cpu(tmp_path):
 @pytest.mark.parametrize("name,layer", [("ParameterNet (routed, both)", "RoutedLinear"),
                                         ("ParameterNet (dynamic, both)", "DynamicLinear")])
 def test_parameternet_systems_build_the_mode_their_name_says(name, layer):
-    from multipath_nmt import benchmark
+    from multipath_nmt.benchmark.batches import fake_data_dir
+    from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
 
-    size = benchmark.SIZES["tiny"]
-    system = next(s for s in benchmark.systems_for(size) if s.name == name)
-    with benchmark.fake_data_dir(size["vocab"]) as data:
-        trainer, _ = benchmark.build_trainer(data, benchmark.fairseq_flags(size, system), "cpu",
-                                             False)
+    size = SIZES["tiny"]
+    system = next(s for s in systems_for(size) if s.name == name)
+    with fake_data_dir(size["vocab"]) as data:
+        trainer, _ = build_trainer(data, fairseq_flags(size, system), "cpu", False)
     kinds = {type(m).__name__ for m in trainer.model.encoder.modules()}
     assert layer in kinds and not {"RoutedLinear", "DynamicLinear"} - {layer} & kinds
 
@@ -166,7 +166,7 @@ def test_keep_freed_memory_stops_page_faulting_large_tensors_in_anew():
     in no more than one allocation's pages (the heap grows once, then is reused)."""
     probe = (
         "import resource, sys, torch\n"
-        "from multipath_nmt.benchmark import keep_freed_memory\n"
+        "from multipath_nmt.benchmark.memory import keep_freed_memory\n"
         "if sys.argv[1] == 'keep': assert keep_freed_memory()\n"
         "torch.ones(16 << 20)\n"  # first allocation: always faults in
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
@@ -186,23 +186,28 @@ def test_loop_reference_system_is_the_same_model_with_reference_layers():
 
     import torch
 
-    from multipath_nmt import benchmark
+    from multipath_nmt.benchmark.batches import fake_data_dir, synthetic_batch
+    from multipath_nmt.benchmark.systems import (
+        SIZES,
+        build_trainer,
+        fairseq_flags,
+        systems_for,
+        use_loop_reference,
+    )
     from multipath_nmt.testing.multipath_reference import ReferenceMultiPathEncoderLayer
 
-    size = benchmark.SIZES["tiny"]
-    system = next(s for s in benchmark.systems_for(size)
-                  if s.name == "multi-path L x 4 (loop reference)")
+    size = SIZES["tiny"]
+    system = next(s for s in systems_for(size) if s.name == "multi-path L x 4 (loop reference)")
     assert system.loop_reference and system.compare_to == "multi-path L x 4 (full)"
-    with benchmark.fake_data_dir(size["vocab"]) as data:
-        trainer, task = benchmark.build_trainer(data, benchmark.fairseq_flags(size, system), "cpu",
-                                                False)
+    with fake_data_dir(size["vocab"]) as data:
+        trainer, task = build_trainer(data, fairseq_flags(size, system), "cpu", False)
     batched = trainer.model.eval()
     reference = copy.deepcopy(batched)
-    benchmark.use_loop_reference(reference, trainer.cfg.model)
+    use_loop_reference(reference, trainer.cfg.model)
     reference.eval()  # the new layers start in training mode, as modules do
     assert all(isinstance(layer, ReferenceMultiPathEncoderLayer)
                for layer in reference.encoder.layers)
-    sample = benchmark.synthetic_batch(size, len(task.source_dictionary))
+    sample = synthetic_batch(size, len(task.source_dictionary))
     losses = []
     for model in (batched, reference):
         loss, _, _ = trainer.criterion(model, sample)
@@ -213,3 +218,39 @@ def test_loop_reference_system_is_the_same_model_with_reference_layers():
         grads = ref_layer.batched_gradients()
         for name, param in layer.named_parameters():
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_gemm_shapes_records_every_product_of_forward_and_backward():
+    import torch
+
+    from multipath_nmt.benchmark.flops import GemmShapes
+
+    linear = torch.nn.Linear(8, 16)
+    x = torch.randn(5, 8, requires_grad=True)
+    y = torch.randn(3, 4, 6)
+    with GemmShapes() as shapes:
+        linear(x).sum().backward()
+        torch.bmm(y, torch.randn(3, 6, 2))
+    assert shapes.counts == {(1, 5, 8, 16): 1,  # forward: addmm
+                             (1, 5, 16, 8): 1,  # gradient of x: grad_out @ W
+                             (1, 16, 5, 8): 1,  # gradient of W: grad_out^T @ x
+                             (3, 4, 6, 2): 1}
+
+
+def test_gemm_peak_is_the_best_rate_over_the_models_own_shapes(monkeypatch):
+    import torch
+
+    from multipath_nmt.benchmark import flops
+
+    timed = []
+
+    def one_second(fn, repeats, device):
+        fn()
+        timed.append(repeats)
+        return 1.0
+
+    monkeypatch.setattr(flops, "elapsed_seconds", one_second)
+    peak, shape = flops.gemm_peak_flops([(1, 4, 8, 16), (2, 4, 8, 4)], "cpu", torch.float32,
+                                        repeats=3)
+    assert timed == [3, 3]
+    assert (peak, shape) == (2 * 4 * 8 * 16 * 3, (1, 4, 8, 16))  # 2 FLOPs per multiply-add

@@ -1,5 +1,6 @@
-"""The GPU check (scripts/gpu-check.sh, multipath_nmt/gpu_check.py): everything in it that does not
-need CUDA, run on the CPU (fairseq's fp16 optimizer through --memory-efficient-fp16)."""
+"""The GPU check (scripts/gpu-check.sh, multipath_nmt/benchmark/gpu_check.py): everything in it
+that does not need CUDA, run on the CPU (fairseq's fp16 optimizer through --memory-efficient-fp16);
+and the padded batches it trains on (multipath_nmt/benchmark/batches.py)."""
 import json
 import math
 import sys
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, run_cli
-from multipath_nmt import benchmark, gpu_check
+from multipath_nmt.benchmark import gpu_check
+from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
+from multipath_nmt.benchmark.systems import build_trainer
 
 TINY = gpu_check.CHECK_SIZES["tiny"]
 
@@ -17,7 +20,7 @@ TINY = gpu_check.CHECK_SIZES["tiny"]
 def tiny_trainer(data, system_name=gpu_check.STOCK, precision="fp32", extra=()):
     system = next(s for s in gpu_check.check_systems(TINY) if s.name == system_name)
     flags = [*gpu_check.check_flags(TINY, system, precision), *extra]
-    return benchmark.build_trainer(data, flags, "cpu", False)
+    return build_trainer(data, flags, "cpu", False)
 
 
 def test_every_architecture_family_is_checked():
@@ -32,10 +35,10 @@ def test_every_architecture_family_is_checked():
 
 
 def test_synthetic_batches_are_padded_length_varied_fairseq_batches():
-    with benchmark.fake_data_dir(TINY["vocab"]) as data:
+    with fake_data_dir(TINY["vocab"]) as data:
         trainer, task = tiny_trainer(data)
-        batches = gpu_check.padded_batches(task, trainer.model, 256, 6, mean_length=12, seed=1)
-        again = gpu_check.padded_batches(task, trainer.model, 256, 6, mean_length=12, seed=1)
+        batches = padded_batches(task, trainer.model, 256, 6, mean_length=12, seed=1)
+        again = padded_batches(task, trainer.model, 256, 6, mean_length=12, seed=1)
     pad, eos = task.source_dictionary.pad(), task.source_dictionary.eos()
     assert len(batches) == 6
     lengths = set()
@@ -56,10 +59,10 @@ def test_synthetic_batches_are_padded_length_varied_fairseq_batches():
 
 
 def test_batches_from_a_data_bin_and_a_clear_error_when_it_is_too_small(toy_data_bin):
-    trainer, task = benchmark.build_trainer(
+    trainer, task = build_trainer(
         str(toy_data_bin), [*gpu_check.check_flags(TINY, gpu_check.check_systems(TINY)[0], "fp32"),
-                       "-s", "en", "-t", "de"], "cpu", False)
-    batches = gpu_check.padded_batches(task, trainer.model, 64, 3, split="valid")
+                            "-s", "en", "-t", "de"], "cpu", False)
+    batches = padded_batches(task, trainer.model, 64, 3, split="valid")
     assert len(batches) == 3
     valid = task.dataset("valid")
     for batch in batches:
@@ -67,35 +70,7 @@ def test_batches_from_a_data_bin_and_a_clear_error_when_it_is_too_small(toy_data
             expected = valid[sentence_id]["target"]
             assert target[:len(expected)].tolist() == expected.tolist()  # right-padded target
     with pytest.raises(ValueError, match=r"valid: \d+ batches of 64 tokens, the check needs 1000"):
-        gpu_check.padded_batches(task, trainer.model, 64, 1000, split="valid")
-
-
-def test_gemm_shapes_records_every_product_of_forward_and_backward():
-    linear = torch.nn.Linear(8, 16)
-    x = torch.randn(5, 8, requires_grad=True)
-    y = torch.randn(3, 4, 6)
-    with gpu_check.GemmShapes() as shapes:
-        linear(x).sum().backward()
-        torch.bmm(y, torch.randn(3, 6, 2))
-    assert shapes.counts == {(1, 5, 8, 16): 1,  # forward: addmm
-                             (1, 5, 16, 8): 1,  # gradient of x: grad_out @ W
-                             (1, 16, 5, 8): 1,  # gradient of W: grad_out^T @ x
-                             (3, 4, 6, 2): 1}
-
-
-def test_gemm_peak_is_the_best_rate_over_the_models_own_shapes(monkeypatch):
-    timed = []
-
-    def one_second(fn, repeats, device):
-        fn()
-        timed.append(repeats)
-        return 1.0
-
-    monkeypatch.setattr(gpu_check, "elapsed_seconds", one_second)
-    peak, shape = gpu_check.gemm_peak_flops([(1, 4, 8, 16), (2, 4, 8, 4)], "cpu",
-                                            torch.float32, repeats=3)
-    assert timed == [3, 3]
-    assert (peak, shape) == (2 * 4 * 8 * 16 * 3, (1, 4, 8, 16))  # 2 FLOPs per multiply-add
+        padded_batches(task, trainer.model, 64, 1000, split="valid")
 
 
 def test_sync_warnings_are_counted_by_line_and_other_warnings_still_shown():
@@ -116,10 +91,10 @@ def test_fp16_bookkeeping_skipped_steps_halve_the_loss_scale():
     """fairseq's fp16 optimizer on the CPU: at a loss scale of 4096 the first steps' gradients
     overflow; each overflow skips its update and halves the scale (the scale window of 2^14
     steps lets it grow back only much later)."""
-    with benchmark.fake_data_dir(TINY["vocab"]) as data:
+    with fake_data_dir(TINY["vocab"]) as data:
         trainer, task = tiny_trainer(data, precision="memory-efficient-fp16",
                                      extra=["--fp16-init-scale=4096"])
-        batches = gpu_check.padded_batches(task, trainer.model, 256, 6, mean_length=12)
+        batches = padded_batches(task, trainer.model, 256, 6, mean_length=12)
         real_step = trainer.train_step
 
         def step_with_one_sync(samples):
@@ -143,9 +118,9 @@ def test_fp16_bookkeeping_skipped_steps_halve_the_loss_scale():
 
 
 def test_fp32_training_has_no_loss_scale():
-    with benchmark.fake_data_dir(TINY["vocab"]) as data:
+    with fake_data_dir(TINY["vocab"]) as data:
         trainer, task = tiny_trainer(data)
-        batches = gpu_check.padded_batches(task, trainer.model, 256, 3, mean_length=12)
+        batches = padded_batches(task, trainer.model, 256, 3, mean_length=12)
         log = gpu_check.train_and_watch(trainer, batches, steps=3, warmup_steps=1, device="cpu")
     assert log["loss_scales"] == [None] * 3 and log["skipped"] == log["overflows"] == 0
     assert log["sync_warnings_per_step"] is None
@@ -165,9 +140,9 @@ def test_compare_translations():
 def test_beam_search_against_a_float32_copy_of_the_same_weights():
     """The comparison's plumbing: a float32 model against its own float32 copy agrees exactly
     (same sentences, same samples); the half-precision model runs the same beam search."""
-    with benchmark.fake_data_dir(TINY["vocab"]) as data:
+    with fake_data_dir(TINY["vocab"]) as data:
         trainer, task = tiny_trainer(data)
-        samples = gpu_check.padded_batches(task, trainer.model, 256, 2, mean_length=12, seed=2)
+        samples = padded_batches(task, trainer.model, 256, 2, mean_length=12, seed=2)
         result = gpu_check.compare_precisions(trainer, task, samples)
         sentences = sum(s["nsentences"] for s in samples)
         assert result == {"sentences": sentences, "identical": 1.0, "bleu": pytest.approx(100.0)}

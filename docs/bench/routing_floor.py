@@ -14,7 +14,8 @@ import statistics
 
 import torch
 
-from multipath_nmt.benchmark import clock, keep_freed_memory
+from multipath_nmt.benchmark.memory import keep_freed_memory
+from multipath_nmt.benchmark.timing import clock
 
 TOKENS, EXPERTS, SLOTS = 1024, 4, 1232  # 4 x ceil(1.2 * 1024 / 4)
 

@@ -1,4 +1,5 @@
-"""multipath-bench: every architecture side by side on the same synthetic batches."""
+"""multipath-bench: every architecture side by side on the same synthetic batches
+(:mod:`multipath_nmt.benchmark`)."""
 import argparse
 import logging
 import sys
@@ -7,8 +8,8 @@ import warnings
 from multipath_nmt import benchmark
 
 
-def cli_main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
+def build_parser():
+    parser = argparse.ArgumentParser(prog="multipath-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(benchmark.SIZES), default="default",
                         help="model and batch size; 'default' takes about 8.5 minutes on 2 idle "
                              "CPU cores, 'tiny' is for tests")
@@ -24,6 +25,11 @@ def cli_main(argv=None):
                         help="skip the per-system peak-memory probes (one process each)")
     parser.add_argument("--out", default="results/bench",
                         help="folder for bench.json, bench.md and bench.png")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.fp16 and args.device != "cuda":
         parser.error("--fp16 needs --device cuda: fairseq's fp16 optimizer runs on GPUs only")
@@ -48,4 +54,4 @@ def cli_main(argv=None):
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()

@@ -1,14 +1,15 @@
 """The GPU check (scripts/gpu-check.sh): fp16 training, host syncs, memory, speed and fp16 beam
-search of every architecture family on one GPU, in about 10 minutes."""
+search of every architecture family on one GPU, in about 10 minutes
+(:mod:`multipath_nmt.benchmark.gpu_check`)."""
 import argparse
 import logging
 import sys
 import warnings
 
-from multipath_nmt import gpu_check
+from multipath_nmt.benchmark import gpu_check
 
 
-def cli_main(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", metavar="DATA_BIN",
                         help="a fairseq data-bin with a joined dictionary: batches from its train "
@@ -26,7 +27,13 @@ def cli_main(argv=None):
                              "memory-efficient-fp16 runs on the CPU too)")
     parser.add_argument("--only", nargs="+", metavar="SYSTEM",
                         help="check only these systems (names as in the report)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    """Exit status 3 when the check ran and some system failed (``scripts/gpu-check.sh`` tells
+    that apart from a check that did not run)."""
+    args = build_parser().parse_args(argv)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -47,8 +54,8 @@ def cli_main(argv=None):
     gpu_check.write_reports(result, args.out)
     print(gpu_check.markdown_report(result))
     print(f"wrote {args.out}/check.json and check.md", file=sys.stderr)
-    return 3 if any("error" in r for r in result["systems"].values()) else 0  # see the script
+    return 3 if any("error" in r for r in result["systems"].values()) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""The GPU check behind ``scripts/gpu-check.sh``, and the GPU-mode pieces of ``multipath-bench``.
+"""The GPU check behind ``scripts/gpu-check.sh``: a tool of its own that builds on the benchmark's
+systems, batches, clock and FLOP counting (nothing else in the package depends on it).
 
 For every architecture family (stock transformer, multi-path, WideNet, MoE, EWA, ParameterNet) it
 trains a few dozen fp16 steps through fairseq's own ``Trainer`` on padded, length-varied batches
@@ -21,9 +22,17 @@ import os
 import warnings
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from multipath_nmt import benchmark
+from multipath_nmt.atomic_files import write_text_atomically
+from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
+from multipath_nmt.benchmark.flops import (
+    gemm_peak_flops,
+    model_gemm_shapes,
+    training_flops_per_token,
+)
+from multipath_nmt.benchmark.report import machine_description
+from multipath_nmt.benchmark.systems import System, build_trainer, fairseq_flags, systems_for
+from multipath_nmt.benchmark.timing import elapsed_seconds
 
 # "gpu" is the size the check is made for: about 10 minutes on one GPU for all systems; "tiny"
 # runs the same code on the CPU in seconds (the tests). ``steps`` training steps per system, the
@@ -43,8 +52,8 @@ STOCK = "stock prenorm L"
 
 def check_systems(size):
     """One system per architecture family, built like ``multipath-bench``'s."""
-    by_name = {s.name: s for s in benchmark.systems_for(size)}
-    moe = benchmark.System(
+    by_name = {s.name: s for s in systems_for(size)}
+    moe = System(
         "MoE (E4 k2, every 2nd layer)", "moe_transformer_wmt_en_de",
         [f"--encoder-layers={size['base_layers']}"],
         criterion="label_smoothed_cross_entropy_with_moe", compare_to=STOCK, group="MoE")
@@ -55,134 +64,8 @@ def check_systems(size):
 
 def check_flags(size, system, precision):
     """fairseq-train flags of a system at a check size (arguments later on the line win)."""
-    return [*benchmark.fairseq_flags(size, system), f"--decoder-layers={size['decoder_layers']}",
+    return [*fairseq_flags(size, system), f"--decoder-layers={size['decoder_layers']}",
             f"--max-tokens={size['max_tokens']}", *PRECISIONS[precision]]
-
-
-def synthetic_dataset(task, count, mean_length, seed):
-    """``count`` sentence pairs of random in-vocabulary tokens whose source lengths spread like a
-    BPE'd corpus (log-normal around ``mean_length``, 1 to 4x the mean) and whose target lengths
-    are 0.8-1.25x the source's, in fairseq's ``LanguagePairDataset``."""
-    from fairseq.data import LanguagePairDataset
-
-    gen = torch.Generator().manual_seed(seed)
-    sigma = 0.5
-    log_lengths = math.log(mean_length) - sigma ** 2 / 2 + sigma * torch.randn(count,
-                                                                                generator=gen)
-    src_lengths = log_lengths.exp().round().clamp(1, 4 * mean_length).long()
-    ratios = 0.8 + 0.45 * torch.rand(count, generator=gen)
-    tgt_lengths = (src_lengths * ratios).round().clamp(min=1).long()
-    vocab, eos = task.source_dictionary, task.source_dictionary.eos()
-    low = vocab.nspecial
-
-    def sentence(length):
-        tokens = torch.randint(low, len(vocab), (int(length) + 1,), generator=gen)
-        tokens[-1] = eos
-        return tokens
-
-    src = [sentence(n) for n in src_lengths]
-    tgt = [sentence(n) for n in tgt_lengths]
-    return LanguagePairDataset(src, [len(s) for s in src], vocab, tgt, [len(t) for t in tgt],
-                               task.target_dictionary,
-                               left_pad_source=task.cfg.left_pad_source,
-                               left_pad_target=task.cfg.left_pad_target)
-
-
-def padded_batches(task, model, max_tokens, count, mean_length=28, split=None, seed=1):
-    """``count`` padded, length-varied batches as ``fairseq-train`` makes them (its batching by
-    ``max_tokens`` and its collater), shuffled: from ``split`` of the task's data-bin, or from
-    synthetic sentences when ``split`` is None."""
-    from fairseq import utils
-
-    if split is None:
-        sentences = math.ceil(1.5 * count * max_tokens / mean_length)
-        dataset = synthetic_dataset(task, sentences, mean_length, seed)
-    else:
-        task.load_dataset(split)
-        dataset = task.dataset(split)
-    iterator = task.get_batch_iterator(
-        dataset, max_tokens=max_tokens,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-        ignore_invalid_inputs=True, seed=seed, num_workers=0).next_epoch_itr(shuffle=True)
-    batches = [batch for _, batch in zip(range(count), iterator)]
-    if len(batches) < count and split is not None:
-        raise ValueError(f"{split}: {len(batches)} batches of {max_tokens} tokens, "
-                         f"the check needs {count}")
-    return batches
-
-
-class GemmShapes(TorchDispatchMode):
-    """Records the matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``) run inside the block
-    as (batch, m, k, n) with how often each ran."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in ("mm", "addmm", "bmm", "baddbmm"):
-            a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
-            batch = a.shape[0] if name in ("bmm", "baddbmm") else 1
-            self.counts[(batch, a.shape[-2], a.shape[-1], b.shape[-1])] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def elapsed_seconds(fn, repeats, device):
-    """Seconds for ``repeats`` calls of ``fn``: CUDA events around the calls on a GPU (the
-    device's own clock); on the CPU, ``multipath-bench``'s clock (this process's CPU time)."""
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    start = benchmark.clock(device)
-    for _ in range(repeats):
-        fn()
-    return benchmark.clock(device) - start
-
-
-def gemm_peak_flops(shapes, device, dtype, repeats):
-    """The highest FLOP rate this device reaches on any of ``shapes`` ((batch, m, k, n), e.g.
-    ``GemmShapes().counts``), each product timed alone after one warm-up call; the peak that
-    MFU is judged against instead of a spec-sheet number. Returns (peak, the best shape)."""
-    best = (0.0, None)
-    for batch, m, k, n in shapes:
-        a = torch.randn(batch, m, k, device=device).to(dtype)
-        b = torch.randn(batch, k, n, device=device).to(dtype)
-        product = (lambda: torch.mm(a[0], b[0])) if batch == 1 else (lambda: torch.bmm(a, b))
-        product()
-        rate = 2 * batch * m * k * n * repeats / elapsed_seconds(product, repeats, device)
-        best = max(best, (rate, (batch, m, k, n)), key=lambda pair: pair[0])
-    return best
-
-
-def model_gemm_shapes(trainer, sample, attention_calls=None):
-    """The matrix products of one forward + backward of the trainer's model and criterion.
-    ``attention_calls``: a dict that receives what each attention call site passes to SDPA in
-    that pass (``multipath_nmt.attention``)."""
-    from multipath_nmt.attention import attention_calls as record_attention_calls
-    from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
-        pop_all_routing_stats,
-    )
-
-    sample = trainer._prepare_sample(sample)[0]
-
-    def forward_backward():
-        loss, _, _ = trainer.criterion(trainer.model, sample)
-        loss.backward()
-
-    with GemmShapes() as shapes:
-        if attention_calls is None:
-            forward_backward()
-        else:
-            attention_calls.update(record_attention_calls(trainer.model, forward_backward))
-    trainer.model.zero_grad(set_to_none=True)
-    pop_all_routing_stats(trainer.model)
-    return shapes.counts
 
 
 class SyncWarnings:
@@ -324,7 +207,7 @@ def run_check(size_name="gpu", device="cuda", precision="fp16", data=None, only=
     systems = [s for s in check_systems(size) if not only or s.name in only]
     results = {}
     with contextlib.ExitStack() as stack:
-        data_dir = data or stack.enter_context(benchmark.fake_data_dir(size["vocab"]))
+        data_dir = data or stack.enter_context(fake_data_dir(size["vocab"]))
         languages = data_utils.infer_language_pair(data_dir) if data else ("src", "tgt")
         for system in systems:
             flags = [*check_flags(size, system, precision), "-s", languages[0], "-t",
@@ -336,12 +219,12 @@ def run_check(size_name="gpu", device="cuda", precision="fp16", data=None, only=
                 results[system.name] = {"error": f"{type(error).__name__}: {error}"}
             log(f"{system.name}: {json.dumps(results[system.name])[:300]}")
     return {"size": size_name, "shape": size, "device": device, "precision": precision,
-            "data": data, "machine": benchmark.machine_description(device),
+            "data": data, "machine": machine_description(device),
             "systems": results}
 
 
 def check_one(size, data_dir, flags, device, from_data_bin, count_syncs):
-    trainer, task = benchmark.build_trainer(data_dir, flags, device, fp16=False)
+    trainer, task = build_trainer(data_dir, flags, device, fp16=False)
     batches = padded_batches(task, trainer.model, size["max_tokens"], size["steps"],
                              size["mean_length"],
                              split="train" if from_data_bin else None, seed=1)
@@ -349,7 +232,7 @@ def check_one(size, data_dir, flags, device, from_data_bin, count_syncs):
     shapes = model_gemm_shapes(trainer, batches[0], attention["training"])
     dtype = next(trainer.model.parameters()).dtype
     peak, best_shape = gemm_peak_flops(shapes, device, dtype, size["gemm_repeats"])
-    flops = benchmark.training_flops_per_token(trainer, batches[0])
+    flops = training_flops_per_token(trainer, batches[0])
     result = train_and_watch(trainer, batches, size["steps"], size["warmup_steps"], device,
                              count_syncs)
     result.update(params=sum(p.numel() for p in trainer.model.parameters()),
@@ -420,9 +303,7 @@ def markdown_report(result):
 
 
 def write_reports(result, out_dir):
-    """check.json and check.md in ``out_dir``."""
+    """check.json and check.md in ``out_dir`` (each written atomically, like bench's)."""
     os.makedirs(out_dir, exist_ok=True)
-    for name, text in (("check.json", json.dumps(result, indent=1)),
-                       ("check.md", markdown_report(result))):
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(text)
+    write_text_atomically(os.path.join(out_dir, "check.json"), json.dumps(result, indent=1))
+    write_text_atomically(os.path.join(out_dir, "check.md"), markdown_report(result))

@@ -1,0 +1,136 @@
+"""The measurement of ``multipath-bench``: every system built, profiled once, then timed
+round-robin, so that drifts of a noisy machine hit all of them alike; figures are medians over
+repeats with their min-max spread."""
+import shlex
+import sys
+
+import torch
+
+from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches, synthetic_batch
+from multipath_nmt.benchmark.flops import (
+    gemm_peak_flops,
+    matmul_peak_flops,
+    model_gemm_shapes,
+    training_flops_per_token,
+)
+from multipath_nmt.benchmark.layers import layer_benchmarks
+from multipath_nmt.benchmark.memory import keep_freed_memory, peak_memory_of_step
+from multipath_nmt.benchmark.micro_batch import micro_batch_profile
+from multipath_nmt.benchmark.report import machine_description
+from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
+from multipath_nmt.benchmark.timing import (
+    ForwardBackwardClock,
+    beam_search_timer,
+    steps_per_measurement,
+    summary,
+    time_train_steps,
+    tokens_of_steps,
+)
+
+PADDED_BATCHES = 8  # the padded mode's batches per system, cycled through by every measurement
+
+
+def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, padded=None,
+        log=print):
+    """Measure every system; returns the result dict that ``write_reports`` renders.
+
+    ``padded`` (the default on CUDA): train on padded, length-varied fairseq batches of about
+    batch x length tokens instead of one full-length batch, and judge MFU against the best rate
+    the device reaches on the measured models' own matrix products instead of a 1024^3 matmul
+    (a GPU's rate depends on the shapes far more than a CPU's)."""
+    size = SIZES[size_name]
+    padded = device == "cuda" if padded is None else padded
+    systems = [s for s in systems_for(size) if not only or s.name in only]
+    dtype = torch.float16 if fp16 else torch.float32
+    heap_allocator = device == "cpu" and keep_freed_memory()
+    if not padded:
+        peak = matmul_peak_flops(device, dtype)
+        log(f"matmul peak ({dtype}): {peak / 1e9:.1f} GFLOP/s")
+    gemm_shapes = set()
+    results = {}
+    with fake_data_dir(size["vocab"]) as data:
+        built = {}
+        for system in systems:
+            flags = fairseq_flags(size, system)
+            trainer, task = build_trainer(data, flags, device, fp16, system.loop_reference)
+            if padded:
+                samples = padded_batches(task, trainer.model, size["batch"] * size["length"],
+                                         PADDED_BATCHES, mean_length=size["length"])
+                gemm_shapes.update(model_gemm_shapes(trainer, samples[0]))
+            else:
+                samples = [synthetic_batch(size, len(task.source_dictionary))]
+            sample = samples[0]
+            flops = sum(training_flops_per_token(trainer, s) * s["ntokens"]
+                        for s in samples) / tokens_of_steps(samples, len(samples))
+            profile = micro_batch_profile(trainer, sample)
+            for s in samples:  # warm-up: optimizer state, allocator, caches
+                trainer.train_step([s])
+            steps = steps_per_measurement(
+                size, sample["ntokens"] / time_train_steps(trainer, samples, 1, device))
+            params = sum(p.numel() for p in trainer.model.parameters())
+            inactive = sum(m.inactive_parameter_count() for m in trainer.model.modules()
+                           if hasattr(m, "inactive_parameter_count"))
+            built[system.name] = (trainer, task, samples, ForwardBackwardClock(trainer, device))
+            results[system.name] = dict(arch=system.arch, flags=system.flags, group=system.group,
+                                        compare_to=system.compare_to,
+                                        loop_reference=system.loop_reference, params=params,
+                                        active_params=params - inactive,
+                                        train_flops_per_token=flops, **profile,
+                                        steps_per_measurement=steps,
+                                        tokens_per_step=tokens_of_steps(samples, steps) / steps,
+                                        tokens_per_s=[],
+                                        forward_backward_s=[])
+            log(f"built {system.name}: {params / 1e6:.2f}M params, "
+                f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement, "
+                f"{profile['host_syncs']} host syncs per micro-batch")
+        if padded:
+            peak, best_shape = gemm_peak_flops(gemm_shapes, device, dtype, repeats=20)
+            log(f"peak over the models' {len(gemm_shapes)} matrix product shapes ({dtype}): "
+                f"{peak / 1e9:.1f} GFLOP/s at (batch, m, k, n) = {best_shape}")
+        for repeat in range(size["repeats"]):  # round-robin against drift
+            for system in systems:
+                trainer, _, samples, forward_backward = built[system.name]
+                steps = results[system.name]["steps_per_measurement"]
+                forward_backward.seconds = 0.0
+                rate = time_train_steps(trainer, samples, steps, device)
+                results[system.name]["tokens_per_s"].append(rate)
+                results[system.name]["forward_backward_s"].append(
+                    forward_backward.seconds / steps)
+            log(f"repeat {repeat + 1}/{size['repeats']} done")
+        for system in systems:
+            r = results[system.name]
+            # per repeat, so the update's share is not the difference of two unrelated medians
+            tokens = r["tokens_per_step"]
+            r["update_s"] = summary([tokens / rate - forward_backward for rate, forward_backward
+                                     in zip(r["tokens_per_s"], r["forward_backward_s"])])
+            for key in ("tokens_per_s", "forward_backward_s"):
+                r[key] = summary(r[key])
+            r["mfu"] = r["train_flops_per_token"] * r["tokens_per_s"]["median"] / peak
+        timers = {system.name: beam_search_timer(*built[system.name][:2], size, device)
+                  for system in systems if system.group in ("baselines", "multi-path")}
+        beam_rates = {name: [] for name in timers}
+        for _ in range(size["repeats"]):  # round-robin, like the training steps
+            for name, timer in timers.items():
+                beam_rates[name].append(timer())
+        for name, rates in beam_rates.items():
+            results[name]["beam_sentences_per_s"] = summary(rates)
+        del built
+    # one layer is cheap to time, and its targets (3 and 5) compare close figures: more repeats
+    layers = layer_benchmarks(size, device, dtype, 3 * size["repeats"], log=log)
+    if memory:
+        for system in systems:
+            results[system.name]["peak_memory_mib"] = peak_memory_of_step(
+                fairseq_flags(size, system), size, device, fp16, system.loop_reference)
+    return {
+        "size": size_name, "shape": size, "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "machine": machine_description(device), "matmul_peak_flops": peak,
+        "batches": (f"{PADDED_BATCHES} padded, length-varied batches of up to "
+                    f"{size['batch'] * size['length']} tokens" if padded
+                    else "one full-length batch"),
+        "peak": ("the best of the models' own matrix products" if padded
+                 else "a 1024 x 1024 x 1024 matmul"),
+        "heap_allocator": heap_allocator,
+        "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results,
+        "layers": layers,
+    }

@@ -1,0 +1,162 @@
+"""The report of ``multipath-bench``: the targets of the benchmark issue as measured ratios, and
+the result as bench.json, bench.md (a markdown table) and bench.png (tokens/s and MFU per system),
+each written atomically."""
+import json
+import os
+import platform
+
+import torch
+
+from multipath_nmt.atomic_files import write_atomically, write_text_atomically
+
+
+def machine_description(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def _ratio(result, name, other, key="tokens_per_s"):
+    systems = result["systems"]
+    if name not in systems or other not in systems or key not in systems[name]:
+        return None
+    return systems[name][key]["median"] / systems[other][key]["median"]
+
+
+def evaluate_targets(result):
+    """The targets of the benchmark issue, as measured ratios from this one run."""
+    rows = []
+
+    def target(number, text, value, threshold, higher_is_better=True):
+        if value is None:
+            return
+        met = value >= threshold if higher_is_better else value <= threshold
+        rows.append(dict(target=number, text=text, value=value, threshold=threshold, met=met))
+
+    target(1, "multi-path L x 4 tokens/s vs deep 4L (same parameters)",
+           _ratio(result, "multi-path L x 4 (full)", "stock deep 4L"), 1.0)
+    target(2, "PathNorm + learnable weights + cheap features tokens/s vs plain multi-path",
+           _ratio(result, "multi-path L x 4 (+cheap features)", "multi-path L x 4 (plain)"), 0.95)
+    paths = result["layers"]["paths"]
+    for n, row in sorted(paths.items(), key=lambda kv: int(kv[0])):
+        target(3, f"batched vs loop reference, {n} paths (one encoder layer, fwd+bwd)",
+               row["speedup"], 1.0 if int(n) <= 2 else 1.05)
+    target(3, "batched vs loop reference, 4 paths (whole model, training step)",
+           _ratio(result, "multi-path L x 4 (full)", "multi-path L x 4 (loop reference)"), 1.05)
+    systems = result["systems"]
+    stock = systems.get("stock prenorm L")
+    if stock:
+        # the toolkit's architectures; the other fairseq transformers (deep, wider FFN) and the
+        # loop reference are yardsticks, their MFU is shown in the table
+        for name, row in systems.items():
+            if row["arch"] != stock["arch"] and not row.get("loop_reference"):
+                target(4, f"MFU of {name} vs stock fairseq", row["mfu"] / stock["mfu"], 0.95)
+    target(5, "MoE router + dispatch + combine, fraction of the experts' time",
+           result["layers"]["moe"]["routing_overhead_fraction"], 0.15, higher_is_better=False)
+    target(6, "beam search sentences/s, multi-path L x 4 vs deep 4L (same decoder and parameters)",
+           _ratio(result, "multi-path L x 4 (full)", "stock deep 4L", "beam_sentences_per_s"),
+           0.95)
+    return rows
+
+
+def _spread(summary, fmt="{:.0f}"):
+    return (f"{fmt.format(summary['median'])} "
+            f"[{fmt.format(summary['min'])}-{fmt.format(summary['max'])}]")
+
+
+def markdown_report(result):
+    lines = [
+        f"Machine: {result['machine']}; device {result['device']}, {result['dtype']}; "
+        f"size `{result['size']}` {json.dumps(result['shape'])}; "
+        f"matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s"
+        f" on {result['peak']}; training on {result['batches']}.",
+        "",
+        ("Rates are per second of this process's CPU time (all threads; see `clock()`), so other "
+         "load on the machine changes them far less than wall time." if result["device"] == "cpu"
+         else "Rates are per second of wall time."),
+        *([] if not result.get("heap_allocator") else [
+            "", "Large CPU tensors come from glibc's heap, not a fresh mmap per allocation "
+            "(`keep_freed_memory()`), for every system alike."]),
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"Training rates: median [min-max] over {result['shape']['repeats']} round-robin repeats, "
+        f"each measurement at least {result['shape']['steps']} step(s) and "
+        f"{result['shape']['measure_seconds']:g} s of the clock (`steps_per_measurement` in "
+        "bench.json).",
+        "",
+        "| group | system | params | active | train MFLOP/token | tokens/s median [min-max] "
+        "| vs | MFU | step ms: fwd+bwd + update | host syncs per micro-batch "
+        "| saved for backward MiB | beam sent/s | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["systems"].items():
+        ratio = _ratio(result, name, r["compare_to"]) if r["compare_to"] else None
+        versus = "" if ratio is None else f"{ratio:.2f}x {r['compare_to']}"  # None: not measured
+        beam = _spread(r["beam_sentences_per_s"], fmt="{:.1f}") if "beam_sentences_per_s" in r \
+            else ""
+        memory = f"{r['peak_memory_mib']:.0f}" if "peak_memory_mib" in r else ""
+        lines.append(
+            f"| {r['group']} | {name} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M "
+            f"| {r['train_flops_per_token'] / 1e6:.1f} | {_spread(r['tokens_per_s'])} | {versus} "
+            f"| {100 * r['mfu']:.1f}% | {1e3 * r['forward_backward_s']['median']:.0f} + "
+            f"{1e3 * r['update_s']['median']:.0f} | {r['host_syncs']} | "
+            f"{r['saved_for_backward_mib']:.1f} | {beam} | {memory} |")
+    lines += ["", "| paths | batched tokens/s | reference tokens/s | speed-up |",
+              "|---|---|---|---|"]
+    for n, row in result["layers"]["paths"].items():
+        lines.append(f"| {n} | {row['batched_tokens_per_s']:.0f} | "
+                     f"{row['reference_tokens_per_s']:.0f} | {row['speedup']:.2f}x |")
+    moe = result["layers"]["moe"]
+    lines += ["", f"MoE layer (E 4, k 2, C 1.2, capacity {moe['capacity']}): whole layer "
+              f"{1e3 * moe['layer_s']['median']:.2f} ms, experts alone "
+              f"{1e3 * moe['experts_s']['median']:.2f} ms per fwd+bwd."]
+    routed = result["layers"]["parameternet_routed_ffn"]
+    ms = {key: 1e3 * routed[f"{key}_s"]["median"] for key in ("routed", "dense", "dense_on_slots")}
+    lines += ["", f"ParameterNet routed FFN (both projections, E 4, C 1.2): {ms['routed']:.1f} "
+              f"ms per fwd+bwd; a dense FFN {ms['dense']:.1f} ms on the {routed['tokens']} tokens, "
+              f"{ms['dense_on_slots']:.1f} ms on {routed['slots']} rows (the capacity slots): "
+              f"routing, dispatch and combine take {ms['routed'] - ms['dense_on_slots']:.1f} ms.",
+              "", "| target | measured | needed | met |", "|---|---|---|---|"]
+    for row in evaluate_targets(result):
+        sign = "<=" if row["target"] == 5 else ">="
+        lines.append(f"| {row['target']}. {row['text']} | {row['value']:.3f} | "
+                     f"{sign} {row['threshold']} | {'yes' if row['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(result, out):
+    """Tokens/s (median, min-max) and MFU per system, as a PNG into ``out`` (a path or a binary
+    file)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["systems"])
+    rates = [result["systems"][n]["tokens_per_s"] for n in names]
+    medians = [r["median"] for r in rates]
+    errors = [[m - r["min"] for m, r in zip(medians, rates)],
+              [r["max"] - m for m, r in zip(medians, rates)]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.5), sharey=True)
+    left.barh(names, medians, xerr=errors, color="tab:blue")
+    left.set_xlabel("training tokens/s (median, min-max)")
+    right.barh(names, [100 * result["systems"][n]["mfu"] for n in names], color="tab:orange")
+    right.set_xlabel("MFU (%)")
+    left.invert_yaxis()
+    fig.suptitle(f"multipath-bench, {result['device']} {result['dtype']}, size {result['size']}")
+    fig.tight_layout()
+    fig.savefig(out, format="png", dpi=100)
+    plt.close(fig)
+
+
+def write_reports(result, out_dir):
+    """bench.json, bench.md and bench.png in ``out_dir`` (each written atomically); returns the
+    result with its evaluated targets, as bench.json holds it."""
+    os.makedirs(out_dir, exist_ok=True)
+    result = dict(result, targets=evaluate_targets(result))
+    write_text_atomically(os.path.join(out_dir, "bench.json"), json.dumps(result, indent=1))
+    write_text_atomically(os.path.join(out_dir, "bench.md"), markdown_report(result))
+    write_atomically(os.path.join(out_dir, "bench.png"), lambda out: plot_report(result, out))
+    return result
