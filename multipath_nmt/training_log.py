@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from multipath_nmt.atomic_files import write_atomically
+
 # "... | INFO | train_inner | epoch 001:  2 / 6 loss=7.6, ..." or "... | INFO | valid | {...}"
 _TAGGED = re.compile(r"\| (?P<tag>train_inner|train|valid\w*) \| (?P<body>.*)$")
 _SIMPLE_LOSS = re.compile(r"(?:^|[\s|,])loss[= ](?P<value>[^\s,|]+)")
@@ -102,12 +104,8 @@ def plot_curves(logs: Sequence[Tuple[str, LossCurves]], out, title=None) -> None
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    tmp = f"{out}.tmp"
     try:
-        fig.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, out)
+        write_atomically(out, lambda png: fig.savefig(png, format="png", dpi=120))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 

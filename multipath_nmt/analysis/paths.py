@@ -14,6 +14,8 @@ from typing import Dict, List
 
 import torch
 
+from multipath_nmt.atomic_files import write_atomically
+
 _MIXER_KEY = re.compile(r"^(?:.*\.)?(?P<stack>encoder|decoder)\.layers\.(?P<layer>\d+)\."
                         r"(?P<sublayer>\w+)_mixer\.path_weights$")
 # A parameter whose first dimension is the number of paths, per sublayer.
@@ -70,12 +72,8 @@ def plot_path_diversity(rows: List[dict], path) -> None:
     axes.set_ylabel("path diversity |d|")
     axes.legend()
     figure.tight_layout()
-    root, extension = os.path.splitext(str(path))
-    temporary = f"{root}.tmp{os.getpid()}{extension}"
+    image_format = os.path.splitext(os.fspath(path))[1][1:] or "png"  # as the name says
     try:
-        figure.savefig(temporary)
-        os.replace(temporary, path)
+        write_atomically(path, lambda image: figure.savefig(image, format=image_format))
     finally:
         plt.close(figure)
-        if os.path.exists(temporary):
-            os.remove(temporary)

@@ -24,6 +24,8 @@ from typing import Dict, List
 
 import torch
 
+from multipath_nmt.atomic_files import write_atomically
+
 # WideNet: <stack>.attention_layer_norms.<j>.weight; fairseq: encoder.layers.<j>.final_layer_norm
 _WIDENET_KEY = re.compile(r"^(?P<stack>.*)\.(?P<position>attention|ffn)_layer_norms\."
                           r"(?P<layer>\d+)\.(?P<vector>weight|bias)$")
@@ -108,13 +110,8 @@ def plot_layernorm_divergence(rows: List[dict], path) -> None:
     axes[0].set_ylabel("mean |difference| to the other blocks")
     axes[1].legend(fontsize="small")
     figure.tight_layout()
-    path = os.fspath(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{name}.tmp")
+    image_format = os.path.splitext(os.fspath(path))[1][1:] or "png"
     try:
-        figure.savefig(temporary, format=os.path.splitext(path)[1][1:] or "png")
-        os.replace(temporary, path)
+        write_atomically(path, lambda image: figure.savefig(image, format=image_format))
     finally:
         plt.close(figure)
-        if os.path.exists(temporary):
-            os.remove(temporary)

@@ -23,6 +23,7 @@ any ``.partial`` left by an interrupted run.
 import gzip
 import hashlib
 import http.client
+import io
 import json
 import multiprocessing
 import os
@@ -44,6 +45,7 @@ from sacremoses.corpus import NonbreakingPrefixes
 from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
 
+from multipath_nmt.atomic_files import write_text_atomically
 from multipath_nmt.pipeline.wmt import ARCHIVES, TASKS
 from multipath_nmt.scoring import sgm_to_text
 
@@ -281,9 +283,9 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
 
     def apply_bpe(tmp):
         log(f"  learning {bpe_merges} joint BPE merges on train.{langs[0]} + train.{langs[1]}")
-        with open(tmp / "codes.tmp", "w", encoding="utf-8") as codes:
-            learn_bpe(chain(*(read_lines(tok / f"train.{lang}") for lang in langs)), codes, bpe_merges)
-        os.replace(tmp / "codes.tmp", tmp / "codes")
+        codes = io.StringIO()
+        learn_bpe(chain(*(read_lines(tok / f"train.{lang}") for lang in langs)), codes, bpe_merges)
+        write_text_atomically(tmp / "codes", codes.getvalue())
         for split in SPLITS:
             for lang in langs:
                 map_file(tok / f"{split}.{lang}", tmp / f"{split}.{lang}", _bpe_chunk, _init_bpe,

@@ -14,10 +14,11 @@ translation non-trivial, so that tokenization, BPE and compound splitting all ma
     "Anna's" vs "Annas", sentence-initial capitals and capitalized German nouns.
 The output is deterministic for a seed and every English sentence occurs once in all splits.
 """
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from multipath_nmt.atomic_files import write_text_atomically
 
 LANGS = ("en", "de")
 SPLITS = ("train", "valid", "test")
@@ -246,7 +247,7 @@ def generate(sizes, seed=1):
 
 
 def write_corpus(out, train=20000, valid=500, test=500, seed=1):
-    """Write ``out/{train,valid,test}.{en,de}`` (each file written to a temporary name, then renamed)."""
+    """Write ``out/{train,valid,test}.{en,de}``, each file atomically."""
     for name, n in (("train", train), ("valid", valid), ("test", test)):
         if n < 1:
             raise ValueError(f"--{name} must be at least 1, got {n}")
@@ -255,9 +256,5 @@ def write_corpus(out, train=20000, valid=500, test=500, seed=1):
     corpus = generate({"train": train, "valid": valid, "test": test}, seed)
     for split, pairs in corpus.items():
         for column, lang in enumerate(LANGS):
-            path = out / f"{split}.{lang}"
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(pair[column] + "\n" for pair in pairs)
-            os.replace(tmp, path)
+            write_text_atomically(out / f"{split}.{lang}", "".join(pair[column] + "\n" for pair in pairs))
     return out
