@@ -1,9 +1,9 @@
 """multipath_nmt: a fairseq user-dir (``--user-dir multipath_nmt``).
 
-Importing it fixes what fairseq 0.12 needs on today's PyTorch (:mod:`multipath_nmt.compat`) and
-on CPU-only distributed runs (:mod:`multipath_nmt.distributed`), reports NaN/Inf updates with
-their number (:mod:`multipath_nmt.numerics`), and registers the models, architectures,
-criterions and the ``adam_fused`` optimizer.
+Importing it installs every patch of fairseq 0.12 and PyTorch (:mod:`multipath_nmt.fairseq_patches`:
+today's PyTorch, safe and atomic checkpoints, exact resume, CPU-only distributed runs, NaN/Inf
+updates reported with their number, fused attention, the EWA after-step hook), and registers the
+models, architectures, criterions and the ``adam_fused`` optimizer.
 """
 import logging
 import os
@@ -15,13 +15,9 @@ _root_logging = (logging.getLogger().level, list(logging.getLogger().handlers))
 # one-line messages; nothing here uses that task.
 logging.getLogger("fairseq.tasks.text_to_speech").setLevel(logging.WARNING)
 
-from multipath_nmt import attention, compat, distributed, ewa_training, numerics  # noqa: E402
+from multipath_nmt import fairseq_patches  # noqa: E402
 
-compat.install()
-distributed.install()
-numerics.install()
-attention.install()
-ewa_training.install()
+fairseq_patches.install()
 
 if not _root_logging[1]:
     logging.getLogger().handlers[:] = []

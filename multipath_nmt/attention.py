@@ -1,36 +1,11 @@
-"""Decoder self-attention without a mask tensor, so fused attention kernels (flash) can run.
+"""What every attention call site passes to ``scaled_dot_product_attention``, and so which fused
+kernels (flash, memory-efficient) it allows: :func:`attention_calls` records it while a model
+runs, :func:`format_attention_calls` prints it (``scripts/gpu-check.sh``, BENCHMARKS.md).
 
-What :func:`install` patches, and why:
-
-* ``fairseq.modules.multihead_attention.MultiheadAttention.forward`` (fairseq 0.12.3). Its
-  training path hands torch's ``F.multi_head_attention_forward`` the decoder's causal future
-  mask as a float [T, T] tensor and, when the batch has padding, the key padding mask; torch
-  merges the two into one float mask of B x heads x T x T and calls
-  ``scaled_dot_product_attention`` with it, which rules out flash attention (it takes no mask
-  tensor, only ``is_causal``). A self-attention marked by :func:`mark_decoder_self_attention`
-  now calls ``F.multi_head_attention_forward`` with ``is_causal=True`` (torch >= 2.0; torch then
-  passes no mask to ``scaled_dot_product_attention``) and no key padding mask, when the padding
-  is trailing. The encoder-decoder attention of a full sequence took fairseq's own softmax path
-  (its ``static_kv`` flag, which only matters for incremental decoding, excluded it from the
-  fused path): it now takes the ``F.multi_head_attention_forward`` path too, with no mask when
-  the source has no padding. Calls that return attention weights (fairseq's last decoder layer
-  returns its cross-attention as the alignment) and incremental decoding go to fairseq's
-  forward unchanged.
-* ``fairseq.models.transformer.TransformerModelBase.build_model``: marks the decoder
-  self-attentions of every model it builds (fairseq's ``transformer`` and the plug-in's models
-  built on it), reading the padding side from the task (``--left-pad-target``).
-
-Why it is exact: fairseq's decoder passes a self-attention mask only for a full target sequence
-(none while decoding incrementally), and that mask is its causal future mask. With the padding
-at the end of each target (fairseq's default, right-padded targets), a padded key j is only
-visible to queries t >= j, which are padding too: every non-padded position attends to exactly
-the keys it attended to before, and the padded positions' outputs are excluded by the loss
-(``ignore_index``). With --left-pad-target, a padded batch keeps both masks.
-``tests/test_attention.py`` checks outputs and gradients against fairseq's own path in float64
-on the CPU, and :func:`attention_calls` (printed by ``scripts/gpu-check.sh``) shows which mask each
-attention call site passes.
-
-Tested with fairseq 0.12.3 and torch 2.13.
+This is the probe that shows the effect of the attention patch
+(:mod:`multipath_nmt.fairseq_patches.attention`: decoder self-attention with ``is_causal``
+instead of mask tensors); it patches nothing itself beyond the duration of one
+:func:`attention_calls`, so it stays a library module outside the patches package.
 """
 import functools
 from typing import Callable, Dict, List, Optional
@@ -38,89 +13,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from fairseq.models.transformer import TransformerModelBase
 from fairseq.modules.multihead_attention import MultiheadAttention
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from multipath_nmt.modules.multipath import MultiPathAttention
-
-_fairseq_forward = MultiheadAttention.forward
-_fairseq_build_model = TransformerModelBase.build_model.__func__
-
-
-def padding_is_trailing(task) -> bool:
-    """Whether ``task`` pads targets at their end (translation unless --left-pad-target);
-    False when the task does not say."""
-    cfg = getattr(task, "cfg", None) or getattr(task, "args", None)
-    left_pad_target = getattr(cfg, "left_pad_target", None)
-    return left_pad_target is not None and not left_pad_target
-
-
-def mark_decoder_self_attention(decoder, trailing_padding: bool):
-    """Tell the self-attentions of ``decoder``'s layers that the mask they get from fairseq's
-    decoder is its causal future mask, and whether padded targets are padded at the end."""
-    for module in decoder.modules():
-        if isinstance(module, TransformerDecoderLayerBase) and not module.cross_self_attention:
-            module.self_attn.mask_is_causal = True
-            module.self_attn.padding_is_trailing = trailing_padding
-        elif hasattr(module, "self_attn_padding_is_trailing"):  # multi-path decoder layers
-            module.self_attn_padding_is_trailing = trailing_padding
-
-
-def _fused_path_allowed(attention, query, incremental_state, need_weights, before_softmax,
-                        need_head_weights) -> bool:
-    """The conditions of fairseq's F.multi_head_attention_forward path other than static_kv:
-    a full sequence (no incremental state), no attention weights returned."""
-    return (incremental_state is None
-            and not (need_weights or need_head_weights or before_softmax)
-            and not attention.onnx_trace and query.device.type != "xla"
-            and not attention.skip_embed_dim_check and not attention.use_xformers
-            and not torch.jit.is_scripting())
-
-
-def _forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
-             need_weights=True, static_kv=False, attn_mask=None, before_softmax=False,
-             need_head_weights=False):
-    if not _fused_path_allowed(self, query, incremental_state, need_weights, before_softmax,
-                               need_head_weights):
-        return _fairseq_forward(self, query, key, value, key_padding_mask, incremental_state,
-                                need_weights, static_kv, attn_mask, before_softmax,
-                                need_head_weights)
-    causal = (getattr(self, "mask_is_causal", False) and attn_mask is not None
-              and (key_padding_mask is None or self.padding_is_trailing)
-              and key is not None and key.size(0) == query.size(0)
-              and self.bias_k is None and not self.add_zero_attn)
-    if not causal:
-        # static_kv only selects the cached encoder keys in incremental decoding; without an
-        # incremental state, fairseq's encoder-decoder attention takes its
-        # F.multi_head_attention_forward path (scaled_dot_product_attention) with static_kv
-        # off, instead of computing the softmax itself
-        return _fairseq_forward(self, query, key, value, key_padding_mask, None, False, False,
-                                attn_mask, False, False)
-    # fairseq's own call with is_causal=True and no key padding mask (torch requires the mask
-    # as a hint with is_causal and then drops it)
-    return F.multi_head_attention_forward(
-        query, key, value, self.embed_dim, self.num_heads, torch.empty([0]),
-        torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)), self.bias_k,
-        self.bias_v, self.add_zero_attn, self.dropout_module.p, self.out_proj.weight,
-        self.out_proj.bias, self.training or self.dropout_module.apply_during_inference,
-        None, False, attn_mask, use_separate_proj_weight=True,
-        q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
-        v_proj_weight=self.v_proj.weight, is_causal=True)
-
-
-@classmethod
-def _build_model(cls, cfg, task):
-    model = _fairseq_build_model(cls, cfg, task)
-    mark_decoder_self_attention(model.decoder, padding_is_trailing(task))
-    return model
-
-
-def install():
-    """Patch fairseq's MultiheadAttention and TransformerModelBase.build_model (see the module
-    docstring); idempotent."""
-    MultiheadAttention.forward = functools.wraps(_fairseq_forward)(_forward)
-    TransformerModelBase.build_model = _build_model
 
 
 # What a mask allows: flash attention takes no mask tensor (is_causal or nothing), the

@@ -1,40 +1,33 @@
-"""Reading, writing and resuming from fairseq checkpoints: every failure is one true line.
+"""Reading, writing and finding fairseq checkpoints: every failure is one true line.
 
-* :func:`read_checkpoint` is the one reader behind every entry point: :func:`install` puts it in
-  place of fairseq's ``checkpoint_utils.load_checkpoint_to_cpu``, which ``fairseq-train`` (resume),
-  ``fairseq-generate``/``-interactive`` and our tools call. It tells apart a missing file, an empty
-  or truncated one, a file that is not a PyTorch checkpoint, a PyTorch file that is not a fairseq
-  checkpoint, an architecture that is not registered (naming the ``--user-dir`` the checkpoint was
-  trained with) and a file that pickles a global outside the safe-loading allow-list (naming it;
-  only then is the ``MULTIPATH_NMT_TRUST_GLOBALS`` opt-in mentioned). Each is a
-  :class:`CheckpointError` whose message starts with the path; uncaught, it is printed as one line
-  without a traceback and the process exits with status 1.
-* :func:`save_atomically` writes through a temporary file in the destination folder, fsyncs and
-  renames it into place; it replaces fairseq's ``torch_persistent_save`` (whose ``.tmp`` file stays
-  behind when the disk is full, after three attempts 2.5 s apart). A failed write removes the
-  partial file and raises :class:`CheckpointSaveError`; earlier checkpoints are untouched.
-* Resuming (fairseq's ``checkpoint_utils.load_checkpoint``): a ``checkpoint_last.pt`` that cannot
-  be read is renamed to ``checkpoint_last.pt.damaged`` (never deleted) and training resumes from
-  the newest readable checkpoint of the save dir, with a warning saying how many updates are
-  trained again.
-* Exact resume across epochs: fairseq 0.12 builds the training batches once, when the epoch
-  iterator is created, breaking ties between equally long sentences with ``--seed`` + *that*
-  epoch, and reuses them for every later epoch. An uninterrupted run therefore trains all epochs on
-  the batches of epoch 1, but a run resumed in epoch e >= 2 rebuilt them with seed + e. The batches
-  of a reusable iterator are now always built as in epoch 1, whatever the epoch it starts in.
-* A data-bin whose dictionaries do not match the checkpoint's embeddings is reported with both
-  sizes and both paths before fairseq fails on a tensor shape.
+* :func:`read_checkpoint` is the one reader behind every entry point (the patches of
+  :mod:`multipath_nmt.fairseq_patches.checkpoints` put it in place of fairseq's
+  ``checkpoint_utils.load_checkpoint_to_cpu``, which ``fairseq-train`` (resume),
+  ``fairseq-generate``/``-interactive`` and our tools call). It tells apart a missing file, an
+  empty or truncated one, a file that is not a PyTorch checkpoint, a PyTorch file that is not a
+  fairseq checkpoint, an architecture that is not registered (naming the ``--user-dir`` the
+  checkpoint was trained with) and a file that pickles a global outside the safe-loading
+  allow-list (naming it; only then is the ``MULTIPATH_NMT_TRUST_GLOBALS`` opt-in, or
+  :func:`trust_globals`, mentioned). Each is a :class:`CheckpointError` whose message starts with
+  the path; uncaught, it is printed as one line without a traceback and the process exits with
+  status 1.
+* :func:`save_atomically` writes through :mod:`multipath_nmt.atomic_files` (a temporary file in
+  the destination folder, fsynced and renamed into place). A failed write removes the partial file
+  and raises :class:`CheckpointSaveError`; earlier checkpoints are untouched.
+* :func:`peek_checkpoint` reads a checkpoint's structure without its tensor data, and
+  :func:`newest_readable` finds the checkpoint with the most updates that reads (what a resume
+  falls back to when ``checkpoint_last.pt`` is damaged).
+* :func:`check_dictionaries`: a data-bin whose dictionaries do not match the checkpoint's
+  embeddings is reported with both sizes and both paths before fairseq fails on a tensor shape.
 """
 import argparse
 import collections
 import errno
-import functools
-import inspect
+import importlib
 import logging
 import os
 import pickle
 import re
-import sys
 import zipfile
 
 import torch
@@ -194,7 +187,7 @@ def _explain_failure(path, err):
                 path, f"pickles {', '.join(names)}, which safe loading (torch.load "
                       "weights_only=True) does not allow and a fairseq checkpoint does not need. If "
                       f"you trust this file, allow it explicitly with {TRUST_ENV}={','.join(names)} "
-                      "(or multipath_nmt.compat.trust_globals(...) in Python)")
+                      "(or multipath_nmt.checkpoints.trust_globals(...) in Python)")
         detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
         reason = detail.group(1).strip().rstrip(".") if detail else _torch_reason(err)
         return DamagedCheckpointError(path, f"damaged or truncated checkpoint (its pickled data "
@@ -281,6 +274,20 @@ def _check_registered(path, state):
     hint = (f"pass --user-dir {user_dir} (the plug-in it was trained with)" if user_dir else
             "pass the --user-dir of the plug-in that defines it (this checkpoint does not record one)")
     raise UnregisteredArchitectureError(path, f"architecture '{arch}' is not registered: {hint}")
+
+
+def _resolve(dotted):
+    module_name, _, attr = dotted.strip().rpartition(".")
+    if not module_name:
+        raise ValueError(f"{TRUST_ENV}: '{dotted}' is not a dotted name like 'numpy.dtype'")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def trust_globals(*objects_or_names):
+    """Explicitly allow more globals in checkpoints (objects or dotted names). Only for files you trust."""
+    objects = [_resolve(o) if isinstance(o, str) else o for o in objects_or_names]
+    torch.serialization.add_safe_globals(objects)
+    return objects
 
 
 # --- reading only the structure (no tensor data) ------------------------------------------
@@ -388,17 +395,6 @@ def save_atomically(obj, path):
     write_atomically(path, lambda out: torch.save(obj, out))
 
 
-def _persistent_save(original):
-    @functools.wraps(original)
-    def torch_persistent_save(obj, filename, async_write=False):
-        if async_write or "://" in str(filename):
-            return original(obj, filename, async_write)
-        save_atomically(obj, filename)
-
-    torch_persistent_save.__multipath_nmt_patched__ = True
-    return torch_persistent_save
-
-
 # --- resuming ------------------------------------------------------------------------------
 
 _CHECKPOINT_NAMES = (r"checkpoint_\d+_\d+{}\.pt", r"checkpoint\d+{}\.pt", r"checkpoint_best{}\.pt",
@@ -427,103 +423,6 @@ def newest_readable(folder, suffix="", exclude=()):
         if best is None or key > best[0]:
             best = (key, path, epoch, updates)
     return best and best[1:]
-
-
-def _set_aside(path):
-    aside, n = f"{path}.damaged", 1
-    while os.path.lexists(aside):
-        aside, n = f"{path}.damaged.{n}", n + 1
-    os.replace(path, aside)
-    return aside
-
-
-def _resume_from_readable(load_checkpoint):
-    @functools.wraps(load_checkpoint)
-    def load_checkpoint_or_the_newest_readable(cfg, trainer, **passthrough_args):
-        suffix = trainer.checkpoint_suffix or ""
-        last = os.path.join(cfg.save_dir, f"checkpoint_last{suffix}.pt")
-        if cfg.restore_file != "checkpoint_last.pt" or "://" in last or not os.path.isfile(last):
-            return load_checkpoint(cfg, trainer, **passthrough_args)
-        try:
-            check_file(last)
-            peek_checkpoint(last)
-            return load_checkpoint(cfg, trainer, **passthrough_args)
-        except UNREADABLE as damage:
-            if damage.path != last:
-                raise
-            return _resume_from_earlier(cfg, trainer, last, damage, load_checkpoint, passthrough_args)
-
-    load_checkpoint_or_the_newest_readable.__multipath_nmt_patched__ = True
-    return load_checkpoint_or_the_newest_readable
-
-
-def _all_ranks_wait(trainer):
-    if trainer.data_parallel_world_size > 1:
-        torch.distributed.barrier()
-
-
-def _resume_from_earlier(cfg, trainer, last, damage, load_checkpoint, passthrough_args):
-    try:
-        _, damaged_updates = saved_at(peek_checkpoint(last) or {})
-    except CheckpointError:
-        damaged_updates = None
-    suffix = trainer.checkpoint_suffix or ""
-    found = newest_readable(cfg.save_dir, suffix, exclude={last})
-    first_rank = trainer.data_parallel_rank == 0
-    if found is None:
-        # Every rank has seen the damaged file (and so takes this branch) before rank 0 renames
-        # it, and none loads before it is gone: all start from scratch.
-        _all_ranks_wait(trainer)
-        aside = _set_aside(last) if first_rank else last + ".damaged"
-        _all_ranks_wait(trainer)
-        logger.warning(f"{damage}. Set aside as {aside}; no other checkpoint in {cfg.save_dir} "
-                       f"can be read, so training starts again from update 0"
-                       + (f" ({damaged_updates} updates are trained again)" if damaged_updates else ""))
-        return load_checkpoint(cfg, trainer, **passthrough_args)
-    path, epoch, updates = found
-    if damaged_updates is not None:
-        replayed = f"{max(damaged_updates - updates, 0)} updates ({updates + 1} to {damaged_updates}) are trained again"
-    else:
-        replayed = (f"the updates after {updates} are trained again (how many is unknown: the "
-                    "damaged file does not say at which update it was saved)")
-    restore_file, finetune = cfg.restore_file, cfg.finetune_from_model
-    # fairseq appends the suffix to a --restore-file itself
-    cfg.restore_file = path[:-len(suffix + ".pt")] + ".pt" if suffix else path
-    cfg.finetune_from_model = None
-    try:
-        result = load_checkpoint(cfg, trainer, **passthrough_args)
-    finally:
-        cfg.restore_file, cfg.finetune_from_model = restore_file, finetune
-    # Renamed only once every rank has read its state (the load broadcasts from rank 0).
-    aside = _set_aside(last) if first_rank else last + ".damaged"
-    logger.warning(f"{damage}. Set aside as {aside}; resumed from {path} (epoch {epoch} @ "
-                   f"{updates} updates): {replayed}")
-    return result
-
-
-def _batches_as_in_epoch_1(get_batch_iterator):
-    signature = inspect.signature(get_batch_iterator)
-
-    @functools.wraps(get_batch_iterator)
-    def get_batch_iterator_with_epoch_1_batches(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        task, dataset, epoch = bound.arguments["self"], bound.arguments["dataset"], bound.arguments["epoch"]
-        reusable = (not bound.arguments["disable_iterator_cache"]
-                    and not bound.arguments["update_epoch_batch_itr"]
-                    and task.can_reuse_epoch_itr(dataset)
-                    and dataset not in task.dataset_to_epoch_iter)
-        if not reusable or epoch <= 1:
-            return get_batch_iterator(*bound.args, **bound.kwargs)
-        # A run that never stopped created this iterator in epoch 1 and kept its batches.
-        bound.arguments["epoch"] = 1
-        iterator = get_batch_iterator(*bound.args, **bound.kwargs)
-        iterator.epoch = epoch
-        dataset.set_epoch(epoch)
-        return iterator
-
-    get_batch_iterator_with_epoch_1_batches.__multipath_nmt_patched__ = True
-    return get_batch_iterator_with_epoch_1_batches
 
 
 # --- data and model --------------------------------------------------------------------------
@@ -567,73 +466,3 @@ def _dictionary_path(task, lang_attr):
         return "of the task"
     folder = data.split(os.pathsep)[0]
     return os.path.join(folder, f"dict.{lang}.txt") if lang else f"in {folder}"
-
-
-def _checking_trainer_dictionaries(load_checkpoint):
-    @functools.wraps(load_checkpoint)
-    def trainer_load_checkpoint(self, filename, *args, **kwargs):
-        check_dictionaries(filename, self.task)
-        return load_checkpoint(self, filename, *args, **kwargs)
-
-    trainer_load_checkpoint.__multipath_nmt_patched__ = True
-    return trainer_load_checkpoint
-
-
-def _checking_ensemble_dictionaries(load_ensemble):
-    signature = inspect.signature(load_ensemble)
-
-    @functools.wraps(load_ensemble)
-    def load_model_ensemble_and_task(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        task = bound.arguments.get("task")
-        if task is not None:
-            for filename in bound.arguments["filenames"]:
-                check_dictionaries(filename, task)
-        return load_ensemble(*args, **kwargs)
-
-    load_model_ensemble_and_task.__multipath_nmt_patched__ = True
-    return load_model_ensemble_and_task
-
-
-# --- installation --------------------------------------------------------------------------
-
-def _one_line_errors(previous_hook):
-    def excepthook(kind, value, traceback):
-        if isinstance(value, CheckpointError):
-            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-            sys.stderr.write(f"{program}: error: {value}\n")
-        else:
-            previous_hook(kind, value, traceback)
-
-    excepthook.__multipath_nmt_patched__ = True
-    return excepthook
-
-
-def _patch(owner, name, wrapper):
-    current = getattr(owner, name)
-    if not getattr(current, "__multipath_nmt_patched__", False):
-        setattr(owner, name, wrapper(current))
-
-
-def install():
-    """Idempotent: the reader, atomic saves, resume from the newest readable checkpoint, epoch-1
-    batches, dictionary checks, and one-line reports of uncaught checkpoint errors."""
-    from fairseq import checkpoint_utils
-    from fairseq.tasks.fairseq_task import FairseqTask
-    from fairseq.trainer import Trainer
-
-    def reader(load):
-        @functools.wraps(load)
-        def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-            return read_checkpoint(path, arg_overrides, load_on_all_ranks)
-
-        load_checkpoint_to_cpu.__multipath_nmt_patched__ = True
-        return load_checkpoint_to_cpu
-
-    _patch(checkpoint_utils, "load_checkpoint_to_cpu", reader)
-    _patch(checkpoint_utils, "torch_persistent_save", _persistent_save)
-    _patch(checkpoint_utils, "load_checkpoint", _resume_from_readable)
-    _patch(checkpoint_utils, "load_model_ensemble_and_task", _checking_ensemble_dictionaries)
-    _patch(Trainer, "load_checkpoint", _checking_trainer_dictionaries)
-    _patch(FairseqTask, "get_batch_iterator", _batches_as_in_epoch_1)
-    _patch(sys, "excepthook", _one_line_errors)

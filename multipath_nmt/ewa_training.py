@@ -1,9 +1,9 @@
-"""Run the EWA weight averaging after every real optimizer step of ``fairseq-train``.
+"""The EWA weight averaging after an optimizer step: which weights to average, and which setups
+it supports.
 
-fairseq has no after-step hook for models, so :func:`install` wraps
-``fairseq.trainer.Trainer.set_num_updates`` (called once after each successful optimizer step,
-and also when a checkpoint is loaded) and ``Trainer.train_step`` (to tell the two apart). After a
-real step, every module with an ``ewa_after_step(num_updates, master_views)`` method is called.
+:func:`after_step` calls every module with an ``ewa_after_step(num_updates, master_views)``
+method; :mod:`multipath_nmt.fairseq_patches.ewa_trainer` calls it after every real optimizer step
+of ``fairseq-train`` (fairseq has no after-step hook for models).
 
 ``master_views`` maps each model parameter to the fp32 master copy that fairseq's
 ``FP16Optimizer`` (``--fp16``, ``--bf16``) keeps and copies into the half-precision model after
@@ -19,10 +19,7 @@ That holds for DDP, not for fully-sharded training (a rank holds a shard of the 
 parameters, not whole experts) or BMUF (its wrapper keeps copies of the weights the averaging
 does not see, and hides the fp32 masters): :func:`check_supported` refuses those.
 """
-import functools
 from collections import defaultdict
-
-from fairseq.trainer import Trainer
 
 
 def master_views(optimizer):
@@ -69,32 +66,3 @@ def after_step(model, optimizer, num_updates):
         views = master_views(optimizer)
         for module in modules:
             module.ewa_after_step(num_updates, views)
-
-
-def install():
-    """Wrap the Trainer once (idempotent)."""
-    if getattr(Trainer.set_num_updates, "_ewa_wrapped", False):
-        return
-    original_set_num_updates = Trainer.set_num_updates
-    original_train_step = Trainer.train_step
-
-    @functools.wraps(original_train_step)
-    def train_step(self, *args, **kwargs):
-        self._ewa_in_train_step = True
-        try:
-            return original_train_step(self, *args, **kwargs)
-        finally:
-            self._ewa_in_train_step = False
-
-    @functools.wraps(original_set_num_updates)
-    def set_num_updates(self, num_updates):
-        previous = self.get_num_updates()
-        original_set_num_updates(self, num_updates)
-        # load_checkpoint also sets the count (0 -> N on resume): only a step inside train_step
-        # that advances the count by one is an optimizer step
-        if getattr(self, "_ewa_in_train_step", False) and num_updates == previous + 1:
-            after_step(self.model, self.optimizer, num_updates)
-
-    set_num_updates._ewa_wrapped = True
-    Trainer.train_step = train_step
-    Trainer.set_num_updates = set_num_updates

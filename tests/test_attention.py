@@ -1,17 +1,14 @@
-"""multipath_nmt.attention: decoder self-attention with is_causal instead of mask tensors, exact
-against fairseq's masked path, and what every attention call site passes to SDPA."""
+"""multipath_nmt.fairseq_patches.attention: decoder self-attention with is_causal instead of mask
+tensors, exact against fairseq's masked path; and what every attention call site passes to SDPA
+(multipath_nmt.attention)."""
 import pytest
 import torch
 from conftest import TINY_MODEL
 
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.sequence_generator import SequenceGenerator
-from multipath_nmt import attention
-from multipath_nmt.attention import (
-    attention_calls,
-    format_attention_calls,
-    mark_decoder_self_attention,
-)
+from multipath_nmt.attention import attention_calls, format_attention_calls
+from multipath_nmt.fairseq_patches.attention import mark_decoder_self_attention
 from multipath_nmt.params import build_model
 from multipath_nmt.modules.multipath import MultiPathAttention
 
@@ -109,7 +106,7 @@ def test_encoder_decoder_attention_takes_the_sdpa_path_with_fairseqs_numbers(sou
     calls = attention_calls(model, lambda: _outputs_and_gradients(model, src, prev))
     assert set(calls["decoder cross-attn"]) == {"float mask", NO_SDPA}
     out, grads = _outputs_and_gradients(model, src, prev)
-    monkeypatch.setattr(MultiheadAttention, "forward", attention._fairseq_forward)
+    monkeypatch.setattr(MultiheadAttention, "forward", MultiheadAttention.forward.__wrapped__)
     expected_out, expected_grads = _outputs_and_gradients(model, src, prev)
     torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-6)
     for n, g in grads.items():

@@ -24,7 +24,6 @@ import torch
 from conftest import clean_env, run_cli, run_fairseq
 from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
 
-import multipath_nmt  # noqa: F401  (installs the reader)
 from multipath_nmt import checkpoints
 from multipath_nmt.checkpoints import (DamagedCheckpointError, MissingCheckpointError,
                                        NotAFairseqCheckpointError, NotAPytorchFileError,

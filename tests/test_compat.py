@@ -1,4 +1,6 @@
-"""The plug-in makes fairseq checkpoints load on PyTorch >= 2.6 while keeping weights_only."""
+"""The plug-in makes fairseq checkpoints load on PyTorch >= 2.6 while keeping weights_only
+(multipath_nmt.fairseq_patches.torch_compat), copies checkpoints atomically and keeps every
+sentence in a batch (fairseq_patches.checkpoints, fairseq_patches.batching)."""
 import pickle
 
 import pytest
@@ -6,8 +8,8 @@ import torch
 
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
 
-import multipath_nmt  # noqa: F401  (installs the fixes)
-from multipath_nmt import compat
+from multipath_nmt.checkpoints import UntrustedCheckpointError
+from multipath_nmt.fairseq_patches import checkpoints as checkpoint_patches
 
 
 class NotAllowListed:
@@ -34,7 +36,7 @@ def test_namespace_is_allowed_and_nothing_more(trained, tmp_path):
     raw["extra_state"]["evil"] = NotAllowListed()
     path = tmp_path / "untrusted.pt"
     torch.save(raw, path)
-    with pytest.raises(compat.UntrustedCheckpointError) as err:
+    with pytest.raises(UntrustedCheckpointError) as err:
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
     message = str(err.value)
     assert "test_compat.NotAllowListed" in message
@@ -59,7 +61,7 @@ def test_atomic_copy_leaves_no_partial_file(tmp_path, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # a kill in the middle of the copy
 
-    monkeypatch.setattr(compat.shutil, "copyfileobj", crash)
+    monkeypatch.setattr(checkpoint_patches.shutil, "copyfileobj", crash)
     with pytest.raises(KeyboardInterrupt):
         PathManager.copy(str(src), str(dst), overwrite=True)
     assert dst.read_bytes() == b"old"

@@ -132,7 +132,6 @@ def test_sigkill_during_checkpoint_copy_leaves_a_loadable_checkpoint_last(tmp_pa
     the plug-in makes that copy atomic. SIGKILL at many random moments of repeated copies:
     checkpoint_last.pt is always one complete checkpoint. The same kills against a plain copy
     do leave broken files, so the check has teeth."""
-    import multipath_nmt  # noqa: F401  (installs the atomic PathManager.copy)
     from fairseq.file_io import PathManager
 
     sources = []

@@ -1,6 +1,6 @@
 """A NaN or Inf during training is reported with the update number, also in CPU fp16 runs.
 
-What fairseq 0.12 does on today's PyTorch, and what :func:`install` changes:
+What fairseq 0.12 does on today's PyTorch, and what is changed:
 
 * fp32/bf16: a non-finite gradient norm raises ``FloatingPointError("gradients are Nan/Inf")``
   after saving ``crash.pt``; fairseq then re-runs the batch under its ``NanDetector`` to log the
@@ -12,7 +12,7 @@ What fairseq 0.12 does on today's PyTorch, and what :func:`install` changes:
   ``FloatingPointError("Minimum loss scale reached ...")``. On CPU the very first overflow
   crashes instead (the trainer zeroes ``grad_norm`` with ``torch.tensor(0.0).cuda()``).
 
-:func:`install` wraps ``Trainer.train_step``: any of these failures becomes one
+``Trainer.train_step`` is wrapped: any of these failures becomes one
 :class:`NonFiniteLossError` (a ``FloatingPointError``) naming the update, the original message,
 ``crash.pt`` and what to try; and a CPU fp16 overflow is skipped like on a GPU.
 """
@@ -21,9 +21,8 @@ import os
 
 import torch
 
-from fairseq.trainer import Trainer
-
 from multipath_nmt.checkpoints import CheckpointSaveError
+from multipath_nmt.fairseq_patches.wrapping import wrap
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -73,7 +72,6 @@ def _report_update(train_step):
                 "resumes from checkpoint_last.pt."
             ) from cause
 
-    train_step_reporting_update.__multipath_nmt_patched__ = True
     return train_step_reporting_update
 
 
@@ -94,14 +92,11 @@ def _refuse_fp16_without_cuda(init):
                 "to run half precision on the CPU")
         init(self, cfg, *args, **kwargs)
 
-    __init__.__multipath_nmt_patched__ = True
     return __init__
 
 
 def install():
-    """Idempotent: report non-finite updates with their number; skip CPU fp16 overflows; refuse
-    --fp16 without CUDA with a clear message."""
-    if not getattr(Trainer.train_step, "__multipath_nmt_patched__", False):
-        Trainer.train_step = _report_update(Trainer.train_step)
-    if not getattr(Trainer.__init__, "__multipath_nmt_patched__", False):
-        Trainer.__init__ = _refuse_fp16_without_cuda(Trainer.__init__)
+    from fairseq.trainer import Trainer
+
+    wrap(Trainer, "train_step", _report_update)
+    wrap(Trainer, "__init__", _refuse_fp16_without_cuda)

@@ -13,6 +13,8 @@ import os
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from multipath_nmt.fairseq_patches.wrapping import wrap
+
 
 class CpuAwareDistributedDataParallel(DistributedDataParallel):
     """PyTorch DDP that drops ``device_ids``/``output_device`` for CPU modules (they mean GPUs)."""
@@ -33,17 +35,18 @@ def _infer_launch_init_without_cuda(infer):
         cfg.device_id = 0  # a GPU index; fairseq would call torch.cuda.set_device for > 0
         cfg.distributed_no_spawn = True  # torchrun has already started one process per rank
 
-    _infer_torch_distributed_launch_init.__multipath_nmt_patched__ = True
     return _infer_torch_distributed_launch_init
 
 
+def _cpu_aware_ddp(torch_ddp):
+    # A replacement rather than a wrapper: fairseq's pytorch_ddp path instantiates the class it
+    # imported from torch, which CpuAwareDistributedDataParallel subclasses.
+    return CpuAwareDistributedDataParallel
+
+
 def install():
-    """Idempotent: let ``torchrun ... fairseq-train --cpu --distributed-backend gloo`` work."""
     from fairseq.distributed import utils as distributed_utils
     from fairseq.models import distributed_fairseq_model
 
-    launch_init = distributed_utils._infer_torch_distributed_launch_init
-    if not getattr(launch_init, "__multipath_nmt_patched__", False):
-        distributed_utils._infer_torch_distributed_launch_init = _infer_launch_init_without_cuda(
-            launch_init)
-    distributed_fairseq_model.DistributedDataParallel = CpuAwareDistributedDataParallel
+    wrap(distributed_utils, "_infer_torch_distributed_launch_init", _infer_launch_init_without_cuda)
+    wrap(distributed_fairseq_model, "DistributedDataParallel", _cpu_aware_ddp)

@@ -1,0 +1,36 @@
+"""The one way a patch is put in place: :func:`wrap` replaces an attribute by a wrapper of it and
+marks the wrapper, so that installing twice changes nothing."""
+import inspect
+
+MARK = "__multipath_nmt_patched__"
+
+
+def patch_name(make_wrapper):
+    """What marks the patch ``make_wrapper`` makes: its module and qualified name."""
+    return f"{make_wrapper.__module__}.{make_wrapper.__qualname__}"
+
+
+def patches_of(obj):
+    """The names (:func:`patch_name`) of the patches wrapped around ``obj``, innermost first."""
+    return getattr(obj, MARK, ())
+
+
+def wrap(owner, name, make_wrapper):
+    """Set ``owner.<name>`` to ``make_wrapper(original)``, unless this patch is already there.
+
+    The mark is the tuple of patch names in the attribute :data:`MARK`, not a flag:
+    ``functools.wraps`` copies the wrapped function's ``__dict__`` onto the wrapper, so with a
+    flag the second patch of one function (``Trainer.train_step``: numerics, then EWA) would find
+    the first one's mark and skip itself. A staticmethod or classmethod is unwrapped, and its
+    wrapper is put back as the same kind of method. Returns whether anything was replaced.
+    """
+    key = patch_name(make_wrapper)
+    stored = inspect.getattr_static(owner, name)
+    method_kind = type(stored) if isinstance(stored, (staticmethod, classmethod)) else None
+    original = stored.__func__ if method_kind else getattr(owner, name)
+    if key in patches_of(original):
+        return False
+    wrapper = make_wrapper(original)
+    setattr(wrapper, MARK, (*patches_of(original), key))
+    setattr(owner, name, method_kind(wrapper) if method_kind else wrapper)
+    return True
