@@ -423,14 +423,10 @@ def checkpoints_to_average(save_dir: Path, count: int = AVERAGE_LAST) -> List[Pa
 
 def bleu_scores(generate_output: Path) -> Dict[str, object]:
     """What ``multipath-score --generate-output FILE --lang de`` prints: tokenized multi-bleu and
-    sacreBLEU on the Moses-detokenized text, each as printed (2 decimals)."""
-    hyps, refs = scoring.read_generate_output(generate_output)
-    multi_bleu = scoring.multi_bleu([h.encode("utf-8", "surrogateescape") for h in hyps],
-                                    [[r.encode("utf-8", "surrogateescape") for r in refs]])
-    sacre, signature = scoring.sacrebleu_score(scoring.detokenize(hyps, "de"),
-                                               [scoring.detokenize(refs, "de")])
-    return {"bleu": round(100 * multi_bleu.bleu, 2), "multi_bleu": str(multi_bleu),
-            "sacrebleu": round(sacre.score, 2), "sacrebleu_signature": str(signature)}
+    sacreBLEU on the Moses-detokenized text, each with its two printed decimals."""
+    scores = scoring.score_generate_output(generate_output, lang="de")
+    return {"bleu": round(scores.bleu, 2), "multi_bleu": str(scores.multi_bleu),
+            "sacrebleu": round(scores.sacrebleu, 2), "sacrebleu_signature": scores.signature}
 
 
 def detokenized_translations(generate_output: Path) -> Tuple[List[str], List[str]]:
