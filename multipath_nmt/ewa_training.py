@@ -55,13 +55,13 @@ def check_supported(args):
                          "averaging does not update; train without --use-bmuf")
 
 
-def ewa_modules(model):
+def _ewa_modules(model):
     return [m for m in model.modules() if hasattr(m, "ewa_after_step")]
 
 
 def after_step(model, optimizer, num_updates):
     """Call every EWA module of ``model`` after optimizer step number ``num_updates``."""
-    modules = ewa_modules(model)
+    modules = _ewa_modules(model)
     if modules:
         views = master_views(optimizer)
         for module in modules:

@@ -1,6 +1,6 @@
 """Numerical safety: half-precision forward passes with large activations stay finite and close
 to fp32 (PathNorm and router statistics run in fp32), and a NaN/Inf during training stops the
-run with the update number (multipath_nmt.numerics), also in CPU fp16 runs."""
+run with the update number (multipath_nmt.fairseq_patches.numerics), also in CPU fp16 runs."""
 import copy
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
