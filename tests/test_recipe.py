@@ -1,10 +1,12 @@
 """multipath_nmt.recipe: the paper's global batch (4,096 / 8,192 tokens per GPU on 8 GPUs) split
-over any GPU count, the CPU batch, the overrides, the refusals, and the embedding sharing."""
+over any GPU count, the CPU batch, the overrides, the refusals, the embedding sharing, and the
+translation files of translate.sh (the command lines are tested through train.sh and translate.sh
+--dry-run)."""
 import pytest
 
 from multipath_nmt.recipe import (BASE, DEEP, RecipeError, batch_plan, criterion_for_arch,
-                                  dictionary_files, embedding_sharing, gpu_precision_for_arch,
-                                  recipe_for_arch)
+                                  dictionary_files, embedding_sharing, finish_translation,
+                                  gpu_precision_for_arch, recipe_for_arch)
 from conftest import dictionaries_only_data_bin
 
 
@@ -161,3 +163,26 @@ def test_embedding_sharing_choices_and_errors(tmp_path):
                                           "--target-lang"):
         dictionary_files(three)
     assert [f.name for f in dictionary_files(three, "fr", "en")] == ["dict.fr.txt", "dict.en.txt"]
+
+
+def test_finish_translation_sorts_by_sentence_id_and_refuses_an_unfinished_output(tmp_path):
+    # fairseq-generate's lines in batch order; ids 2 and 10 sort numerically, not as text; with
+    # --nbest 2 both hypotheses of sentence 10 are kept in their order; tabs and spaces kept
+    output = ("S-10\tz\nT-10\tZ\nH-10\t-0.3\tz\nH-10\t-0.9\tz z\nD-10\t-0.3\tz\n"
+              "S-2\tb c\nT-2\tB  C\nH-2\t-0.2\tb\tc\nP-2\t-0.1 -0.1\n"
+              "S-0\ta\nT-0\tA\nH-0\t-0.1\ta\n"
+              "Generate test with beam=4: BLEU4 = 12.0\n")
+    out = tmp_path / "test"
+    (tmp_path / "test.generate.tmp").write_text(output)
+    assert finish_translation(out) == 4
+    assert (tmp_path / "test.generate").read_text() == output
+    assert (tmp_path / "test.hyp").read_text() == "a\nb\tc\nz\nz z\n"
+    assert (tmp_path / "test.ref").read_text() == "A\nB  C\nZ\n"
+    assert not (tmp_path / "test.generate.tmp").exists()
+    # killed before its last line: nothing replaces an earlier output, the partial one stays
+    partial = tmp_path / "valid.generate.tmp"
+    partial.write_text(output.rsplit("Generate", 1)[0])
+    with pytest.raises(RecipeError, match=f"^fairseq-generate did not finish; partial output "
+                                          f"left in {partial}$"):
+        finish_translation(tmp_path / "valid")
+    assert partial.exists() and not (tmp_path / "valid.generate").exists()
