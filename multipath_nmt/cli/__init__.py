@@ -1,4 +1,6 @@
-"""Command-line tools: thin wrappers over importable functions."""
+"""The command-line tools (setup.py's console scripts). Each module has ``build_parser()`` and
+``main(argv=None)``: it parses arguments, calls the library and prints; the work itself is in the
+library modules, and nothing outside this package imports it."""
 import argparse
 
 
