@@ -360,8 +360,10 @@ def test_averaging_only_the_fp16_copy_would_be_undone(monkeypatch):
 def test_hook_runs_only_on_real_steps():
     from fairseq.trainer import Trainer
 
-    ewa_training.install()
-    ewa_training.install()  # idempotent
+    from multipath_nmt.fairseq_patches import ewa_trainer
+
+    ewa_trainer.install()
+    ewa_trainer.install()  # idempotent
     calls = []
     module = SimpleNamespace(ewa_after_step=lambda n, views: calls.append(n))
     fake = SimpleNamespace(_num_updates=0, quantizer=None, lr_step_update=lambda: None,
