@@ -67,7 +67,7 @@ def test_matched_ffn_gives_the_deep_models_parameters():
 def test_missing_data_and_unknown_systems_are_refused(tmp_path):
     (tmp_path / "train.en.gz").write_bytes(b"")
     with pytest.raises(SystemExit) as exit_info:
-        study.cli_main(["--data", str(tmp_path), "--work", str(tmp_path / "w"),
+        study.main(["--data", str(tmp_path), "--work", str(tmp_path / "w"),
                         "--results", str(tmp_path / "r")])
     message = str(exit_info.value)
     assert message.startswith(f"study: error: Multi30k not found in {tmp_path}: missing "
@@ -155,7 +155,7 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     # rewrites the same results
     before = {s["system"]: s["runs"] for s in report["systems"]}
     capsys.readouterr()
-    study.cli_main([str(a) for a in args[1:]])
+    study.main([str(a) for a in args[1:]])
     second = capsys.readouterr().out
     assert "base seed 1: already done" in second and "ewa seed 1: already done" in second
     assert "already prepared" in second and "training" not in second
@@ -290,10 +290,10 @@ def test_budgets_give_fairseq_the_same_updates_or_time_and_separate_run_folders(
         "--disable-validation", "--stop-time-hours", repr(8.0 / 60)]
     assert study.Budget(updates=6000).runs_dirname == "runs-6000updates"
     assert study.Budget(minutes=8.0).runs_dirname == "runs-8min"
-    args = study.get_parser().parse_args([])
+    args = study.build_parser().parse_args([])
     assert (args.budget_updates, args.budget_minutes) == (study.DEFAULT_BUDGET_UPDATES, None)
     with pytest.raises(SystemExit):
-        study.get_parser().parse_args(["--budget-updates", "5", "--budget-minutes", "1"])
+        study.build_parser().parse_args(["--budget-updates", "5", "--budget-minutes", "1"])
     # the default systems are Table 4's multi-path rows with the dense references
     assert [s.name for s in study.select_systems(None, study.Budget(updates=10))] == [
         "base", "deep", "wide", "mp_original", "mp_pathnorm", "mp_learnable", "mp_cheap"]
@@ -339,7 +339,7 @@ def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, 
     # the machine is busy
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     work, results = tmp_path / "work", tmp_path / "results"
-    study.cli_main(["--data", str(multi30k), "--work", str(work), "--results", str(results),
+    study.main(["--data", str(multi30k), "--work", str(work), "--results", str(results),
                     "--systems", "deep,mp_original", "--seeds", "2", "--budget-updates", "2",
                     "--max-train-lines", "40", "--max-eval-lines", "20", "--device", "cpu"])
     report = json.loads((results / "study.json").read_text())
@@ -408,7 +408,7 @@ def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_pa
     monkeypatch.setattr(study, "detokenized_translations", lambda path: (["a b c d"], ["a b c d"]))
     monkeypatch.setattr(study, "write_reports", lambda report, results: reports.append(
         [s["system"] for s in report["systems"]]))
-    args = study.get_parser().parse_args(["--systems", "deep,wide,mp_original", "--seeds", "2",
+    args = study.build_parser().parse_args(["--systems", "deep,wide,mp_original", "--seeds", "2",
                                           "--budget-updates", "10", "--parallel", "2",
                                           "--device", "cuda"])
     report = study.run_study(args)

@@ -978,7 +978,7 @@ def _positive_float(value):
     return number
 
 
-def get_parser():
+def build_parser():
     parser = argparse.ArgumentParser(prog="study.sh", description=__doc__.split("\n")[0])
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--budget-updates", type=_positive_int, default=DEFAULT_BUDGET_UPDATES,
@@ -1018,8 +1018,8 @@ def get_parser():
     return parser
 
 
-def cli_main(argv=None):
-    args = get_parser().parse_args(argv)
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     try:
         run_study(args)
     except StudyError as err:
@@ -1027,4 +1027,4 @@ def cli_main(argv=None):
 
 
 if __name__ == "__main__":
-    cli_main()
+    main()
