@@ -19,38 +19,41 @@ import statistics
 def time_optimizer_steps(systems, optimizers, repeats, steps, train_step=False, log=print):
     """{(system, optimizer): [seconds per step, one per repeat]} and {system: parameter
     tensors}."""
-    from multipath_nmt import benchmark
+    from multipath_nmt.benchmark.batches import fake_data_dir, synthetic_batch
+    from multipath_nmt.benchmark.memory import keep_freed_memory
+    from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags
+    from multipath_nmt.benchmark.timing import clock
 
-    size = benchmark.SIZES["default"]
-    benchmark.keep_freed_memory()
+    size = SIZES["default"]
+    keep_freed_memory()
     trainers, batches, tensors = {}, {}, {}
-    with benchmark.fake_data_dir(size["vocab"]) as data:
+    with fake_data_dir(size["vocab"]) as data:
         for system in systems:
             for name in optimizers:
-                flags = [*benchmark.fairseq_flags(size, system), f"--optimizer={name}"]
-                trainer, task = benchmark.build_trainer(data, flags, "cpu", fp16=False)
-                batch = [benchmark.synthetic_batch(size, len(task.source_dictionary))]
+                flags = [*fairseq_flags(size, system), f"--optimizer={name}"]
+                trainer, task = build_trainer(data, flags, "cpu", fp16=False)
+                batch = [synthetic_batch(size, len(task.source_dictionary))]
                 trainer.train_step(batch)
                 trainers[system.name, name], batches[system.name, name] = trainer, batch
             tensors[system.name] = sum(1 for p in trainer.model.parameters() if p.grad is not None)
     seconds = {key: [] for key in trainers}
     for repeat in range(repeats):
         for key, trainer in trainers.items():
-            start = benchmark.clock("cpu")
+            start = clock("cpu")
             for _ in range(steps):
                 if train_step:
                     trainer.train_step(batches[key])
                 else:
                     trainer.optimizer.step()
-            seconds[key].append((benchmark.clock("cpu") - start) / steps)
+            seconds[key].append((clock("cpu") - start) / steps)
         log(f"repeat {repeat + 1}/{repeats} done")
     return seconds, tensors
 
 
 def main(argv=None):
-    from multipath_nmt import benchmark
+    from multipath_nmt.benchmark.systems import SIZES, systems_for
 
-    lineup = {s.name: s for s in benchmark.systems_for(benchmark.SIZES["default"])
+    lineup = {s.name: s for s in systems_for(SIZES["default"])
               if not s.loop_reference}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", nargs="+", choices=list(lineup), default=["stock deep 4L"],
