@@ -30,6 +30,6 @@ same batches. One module per job, so that each measurement can be read, and chan
 """
 from multipath_nmt.benchmark.harness import run
 from multipath_nmt.benchmark.report import markdown_report, write_reports
-from multipath_nmt.benchmark.systems import SIZES, System, systems_for
+from multipath_nmt.benchmark.systems import SIZES, systems_for
 
-__all__ = ["SIZES", "System", "markdown_report", "run", "systems_for", "write_reports"]
+__all__ = ["SIZES", "markdown_report", "run", "systems_for", "write_reports"]
