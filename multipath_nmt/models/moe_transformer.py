@@ -7,7 +7,8 @@ Everything except the FFN sub-block of the chosen encoder layers is fairseq's ow
 - ``--encoder-ffn moe``: a top-k routed MoE FFN every ``--encoder-moe-freq`` layers (WideNet's
   MoE layer, :class:`~multipath_nmt.modules.moe.MoEFeedForward`).
 - ``--encoder-ffn ewa``: Experts Weights Averaging (Huang et al., 2023) in the layers chosen by
-  ``--ewa-layers``; the averaging runs after every optimizer step (:mod:`multipath_nmt.ewa_training`).
+  ``--ewa-layers``; the averaging runs after every optimizer step
+  (:mod:`multipath_nmt.ewa_training`, called by :mod:`multipath_nmt.fairseq_patches.ewa_trainer`).
   ``--ewa-stop-at F`` is the paper's "early EWA" (EWA used to improve a naive MoE): the layers are
   top-1 routed MoEs (learned router, capacity, balance loss) that get the EWA update after each of
   the first F * --max-update steps, then train as plain MoEs and stay MoEs at inference (so they

@@ -93,8 +93,9 @@ class FairseqMultiPathDecoderLayer(MultiPathDecoderLayer):
     fairseq's decoder gives a full target sequence its causal future mask (and the key padding
     mask if the batch has padding): the self-attention runs with ``is_causal`` and no mask
     instead, when the padding is known to be trailing (``self_attn_padding_is_trailing``, set
-    from the task by :func:`multipath_nmt.attention.mark_decoder_self_attention`), so fused
-    attention kernels can run (see :mod:`multipath_nmt.attention` for why it is exact)."""
+    from the task by :func:`multipath_nmt.fairseq_patches.attention.mark_decoder_self_attention`),
+    so fused attention kernels can run (see :mod:`multipath_nmt.fairseq_patches.attention` for
+    why it is exact)."""
 
     self_attn_padding_is_trailing = False
 
