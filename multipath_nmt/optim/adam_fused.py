@@ -5,7 +5,7 @@ elementwise passes over it (moments, square root, eps, step). PyTorch's fused Ad
 torch 2.4, CUDA) reads parameter, gradient and both moments once and writes them once, for a
 whole list of tensors per call: the update of the 24-layer baseline at ``multipath-bench``'s
 default size took 31 ms instead of 82 ms on one CPU thread (``python -m
-multipath_nmt.optim.update_timing``). Its multi-tensor ``foreach`` form, one kernel per pass over
+multipath_nmt.benchmark.update_timing``). Its multi-tensor ``foreach`` form, one kernel per pass over
 all tensors, took 106 ms, slower than fairseq's loop (each pass streams every parameter through
 memory again); it is used only on devices without a fused kernel.
 

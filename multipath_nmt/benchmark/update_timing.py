@@ -1,7 +1,7 @@
 """Time the optimizer step of ``multipath-bench``'s systems, ``--optimizer adam`` against
 ``adam_fused``, round-robin.
 
-    python -m multipath_nmt.optim.update_timing [--systems NAME ... | --all-systems]
+    python -m multipath_nmt.benchmark.update_timing [--systems NAME ... | --all-systems]
         [--repeats R] [--steps S] [--train-step]
 
 Each (system, optimizer) gets a fairseq Trainer of ``multipath-bench``'s default size (d 256,
