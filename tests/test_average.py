@@ -160,10 +160,3 @@ def test_cli_errors_leave_no_output(run_dir, tmp_path):
                     tmp_path / "missing.pt", "--output", out], check=False)
     assert proc.returncode == 1 and "missing.pt: no such checkpoint file" in proc.stderr
     assert not out.exists()
-
-
-def test_translate_sh_missing_checkpoint(tmp_path):
-    proc = run_cli(["bash", ROOT / "scripts" / "translate.sh", tmp_path, tmp_path / "none.pt", tmp_path / "out"],
-                   check=False)
-    assert proc.returncode == 1 and "none.pt: no such checkpoint" in proc.stderr
-    assert not list(tmp_path.iterdir())

@@ -47,3 +47,10 @@ def test_bad_gpu_count(tmp_path):
     proc = _dry_run(tmp_path, gpus="two", check=False)
     assert proc.returncode == 1
     assert "MULTIPATH_NMT_NUM_GPUS must be a number, got 'two'" in proc.stderr
+
+
+def test_translate_sh_missing_checkpoint(tmp_path):
+    proc = run_cli(["bash", TRANSLATE_SH, tmp_path, tmp_path / "none.pt", tmp_path / "out"],
+                   check=False)
+    assert proc.returncode == 1 and "none.pt: no such checkpoint" in proc.stderr
+    assert not list(tmp_path.iterdir())
