@@ -29,13 +29,5 @@ if [ $# -lt 2 ]; then
     echo "usage: $0 DATA_BIN SAVE_DIR --arch ARCH [--batch-tokens N] [--dry-run] [fairseq-train args...]" >&2
     exit 1
 fi
-python=${PYTHON:-python}
-# multipath_nmt/recipe.py (run without importing fairseq) prints the recipe, the batch split and
-# the command, then becomes fairseq-train (or prints one error line).
-exec "$python" -c 'import importlib.util, os, runpy, sys
-spec = importlib.util.find_spec("multipath_nmt")
-if spec is None:
-    sys.exit(f"{sys.argv[2]}: error: {sys.argv[1]} cannot import multipath_nmt; activate its environment or set PYTHON")
-sys.argv[1:] = sys.argv[2:]
-runpy.run_path(os.path.join(spec.submodule_search_locations[0], "recipe.py"), run_name="__main__")' \
-    "$python" train.sh "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/run-recipe.sh"
+run_recipe train.sh "$@"

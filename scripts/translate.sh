@@ -13,13 +13,5 @@ if [ $# -lt 3 ]; then
     exit 1
 fi
 [ -f "$2" ] || { echo "translate.sh: $2: no such checkpoint" >&2; exit 1; }
-python=${PYTHON:-python}
-# multipath_nmt/recipe.py (run without importing fairseq) prints the device and the command, runs
-# fairseq-generate and sorts its output (or prints one error line).
-exec "$python" -c 'import importlib.util, os, runpy, sys
-spec = importlib.util.find_spec("multipath_nmt")
-if spec is None:
-    sys.exit(f"{sys.argv[2]}: error: {sys.argv[1]} cannot import multipath_nmt; activate its environment or set PYTHON")
-sys.argv[1:] = sys.argv[2:]
-runpy.run_path(os.path.join(spec.submodule_search_locations[0], "recipe.py"), run_name="__main__")' \
-    "$python" translate.sh "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/run-recipe.sh"
+run_recipe translate.sh "$@"
