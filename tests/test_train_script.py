@@ -202,3 +202,18 @@ def test_real_two_update_run(toy_data_bin, tmp_path):
     assert tuple(cfg["optimization"]["lr"]) == (0.001,) and cfg["optimizer"]["adam_betas"] == "(0.9, 0.997)"
     assert cfg["lr_scheduler"]["warmup_updates"] == 8000 and cfg["criterion"]["label_smoothing"] == 0.1
     assert cfg["common"]["cpu"] and not cfg["common"]["fp16"]
+
+
+@pytest.mark.parametrize("script", ["train.sh", "translate.sh"])
+def test_an_interpreter_without_the_plugin_is_one_error_line(tmp_path, script):
+    bare_python = tmp_path / "bare-python"  # no site-packages: multipath_nmt cannot be imported
+    bare_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
+    bare_python.chmod(0o755)
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.touch()
+    proc = run_cli(["bash", ROOT / "scripts" / script, tmp_path, checkpoint, tmp_path / "out"],
+                   env={**clean_env(), "PYTHON": str(bare_python)}, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"{script}: error: {bare_python} cannot import multipath_nmt; activate its environment "
+        "or set PYTHON"]
