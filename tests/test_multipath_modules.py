@@ -48,7 +48,17 @@ def _inputs(T=7, B=3, dtype=torch.float64):
     return x, padding
 
 
-def _assert_close_grads(batched, reference):
+def _assert_layers_agree(batched, reference, x, *inputs):
+    """``batched(x, *inputs)`` and ``reference(x, *inputs)``: the same outputs and, under one
+    random upstream gradient, the same gradients of ``x`` and of every parameter."""
+    x_batched, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_batched = batched(x_batched, *inputs)
+    out_reference = reference(x_reference, *inputs)
+    torch.testing.assert_close(out_batched, out_reference, **EXACT)
+    upstream = torch.randn_like(out_batched)
+    (out_batched * upstream).sum().backward()
+    (out_reference * upstream).sum().backward()
+    torch.testing.assert_close(x_batched.grad, x_reference.grad, **EXACT)
     expected = reference.batched_gradients()
     for name, p in batched.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], **EXACT, msg=name)
@@ -65,15 +75,7 @@ OPTIONS = [dict(num_paths=n, path_norm=norm, learnable_weights=learn, cheap_feat
 def test_encoder_layer_matches_reference_outputs_and_gradients(options):
     batched, reference = _pair(MultiPathEncoderLayer, ReferenceMultiPathEncoderLayer, **options)
     x, padding = _inputs()
-    x_batched, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_batched = batched(x_batched, padding)
-    out_reference = reference(x_reference, padding)
-    torch.testing.assert_close(out_batched, out_reference, **EXACT)
-    upstream = torch.randn_like(out_batched)
-    (out_batched * upstream).sum().backward()
-    (out_reference * upstream).sum().backward()
-    torch.testing.assert_close(x_batched.grad, x_reference.grad, **EXACT)
-    _assert_close_grads(batched, reference)
+    _assert_layers_agree(batched, reference, x, padding)
 
 
 @pytest.mark.parametrize("options", [
@@ -88,15 +90,8 @@ def test_decoder_layer_matches_reference_outputs_and_gradients(options):
     target_padding[2] = False  # targets are right-padded only
     encoder_out, source_padding = _inputs(T=8)
     future = torch.ones(6, 6, dtype=torch.bool).triu(1)  # True = masked, like the padding mask
-    x_batched, x_reference = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_batched = batched(x_batched, encoder_out, source_padding, future, target_padding)
-    out_reference = reference(x_reference, encoder_out, source_padding, future, target_padding)
-    torch.testing.assert_close(out_batched, out_reference, **EXACT)
-    upstream = torch.randn_like(out_batched)
-    (out_batched * upstream).sum().backward()
-    (out_reference * upstream).sum().backward()
-    torch.testing.assert_close(x_batched.grad, x_reference.grad, **EXACT)
-    _assert_close_grads(batched, reference)
+    _assert_layers_agree(batched, reference, x, encoder_out, source_padding, future,
+                         target_padding)
 
 
 def test_weights_round_trip_between_batched_and_reference():

@@ -386,7 +386,45 @@ class MultiPathFeedForward(nn.Module):
         return out.view(self.num_paths, T, B, d)
 
 
-class MultiPathEncoderLayer(nn.Module):
+class _PreNormMultiPathLayer(nn.Module):
+    """What the encoder and decoder layers share: pre-norm sublayers, each a LayerNorm, the paths
+    F_1..F_n and their PathMixer, Y = beta * X + sum_f alpha_f * PathNorm_f(F_f(LN(X))), every
+    mixer with the same options. A layer adds its sublayers in the order they run (self-attention
+    first, FFN last), which is the order of its parameters in checkpoints and optimizer states,
+    and of their initialisation from the random seed; the names are those of fairseq's layers."""
+
+    def __init__(self, num_paths: int, embed_dim: int, path_norm: bool, learnable_weights: bool,
+                 cheap_features: bool, dropout: float):
+        super().__init__()
+        self.num_paths = num_paths
+        self.embed_dim = embed_dim
+        self._new_mixer = partial(PathMixer, num_paths, embed_dim, path_norm=path_norm,
+                                  learnable_weights=learnable_weights,
+                                  cheap_features=cheap_features, dropout=dropout)
+
+    def _add_self_attention(self, num_heads: int, attention_dropout: float):
+        self.self_attn_layer_norm = nn.LayerNorm(self.embed_dim)
+        self.self_attn = MultiPathAttention(self.num_paths, self.embed_dim, num_heads,
+                                            dropout=attention_dropout)
+        self.self_attn_mixer = self._new_mixer()
+
+    def _add_feed_forward(self, ffn_dim: int, activation_fn: Callable, activation_dropout: float):
+        self.final_layer_norm = nn.LayerNorm(self.embed_dim)
+        self.ffn = MultiPathFeedForward(self.num_paths, self.embed_dim, ffn_dim, activation_fn,
+                                        activation_dropout)
+        self.ffn_mixer = self._new_mixer()
+
+    def _self_attention(self, x: Tensor, **attention_options) -> Tensor:
+        """The self-attention sublayer; ``attention_options`` go to
+        :meth:`MultiPathAttention.forward`."""
+        paths = self.self_attn(self.self_attn_layer_norm(x), **attention_options)
+        return self.self_attn_mixer(paths, x)
+
+    def _feed_forward(self, x: Tensor) -> Tensor:
+        return self.ffn_mixer(self.ffn(self.final_layer_norm(x)), x)
+
+
+class MultiPathEncoderLayer(_PreNormMultiPathLayer):
     """A pre-norm Multi-Path Transformer encoder layer (Lin et al., 2022, Fig. 2): self-attention
     and FFN sublayers, each Y = beta * X + sum_f alpha_f * PathNorm_f(F_f(LN(X))). The readable
     form: ``ReferenceMultiPathEncoderLayer`` in multipath_nmt/testing/multipath_reference.py."""
@@ -396,29 +434,19 @@ class MultiPathEncoderLayer(nn.Module):
                  cheap_features: bool = False, dropout: float = 0.0,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
                  activation_fn: Callable = F.relu):
-        super().__init__()
-        mixer = partial(PathMixer, num_paths, embed_dim, path_norm=path_norm,
-                        learnable_weights=learnable_weights, cheap_features=cheap_features,
-                        dropout=dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
-        self.self_attn = MultiPathAttention(num_paths, embed_dim, num_heads,
-                                            dropout=attention_dropout)
-        self.self_attn_mixer = mixer()
-        self.final_layer_norm = nn.LayerNorm(embed_dim)
-        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation_fn,
-                                        activation_dropout)
-        self.ffn_mixer = mixer()
+        super().__init__(num_paths, embed_dim, path_norm, learnable_weights, cheap_features,
+                         dropout)
+        self._add_self_attention(num_heads, attention_dropout)
+        self._add_feed_forward(ffn_dim, activation_fn, activation_dropout)
 
     def forward(self, x: Tensor, encoder_padding_mask: Optional[Tensor] = None,
                 attn_mask: Optional[Tensor] = None) -> Tensor:
         """``x`` [T, B, d]; ``encoder_padding_mask`` [B, T], True at padding."""
-        paths = self.self_attn(self.self_attn_layer_norm(x),
-                               key_padding_mask=encoder_padding_mask, attn_mask=attn_mask)
-        x = self.self_attn_mixer(paths, x)
-        return self.ffn_mixer(self.ffn(self.final_layer_norm(x)), x)
+        x = self._self_attention(x, key_padding_mask=encoder_padding_mask, attn_mask=attn_mask)
+        return self._feed_forward(x)
 
 
-class MultiPathDecoderLayer(nn.Module):
+class MultiPathDecoderLayer(_PreNormMultiPathLayer):
     """A pre-norm Multi-Path decoder layer: the encoder layer's construction applied to masked
     self-attention, encoder-decoder attention and FFN (an extension beyond Lin et al., 2022). The
     readable form (full sequences): ``ReferenceMultiPathDecoderLayer`` in
@@ -430,14 +458,9 @@ class MultiPathDecoderLayer(nn.Module):
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
                  activation_fn: Callable = F.relu, encoder_embed_dim: Optional[int] = None,
                  no_encoder_attn: bool = False):
-        super().__init__()
-        mixer = partial(PathMixer, num_paths, embed_dim, path_norm=path_norm,
-                        learnable_weights=learnable_weights, cheap_features=cheap_features,
-                        dropout=dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
-        self.self_attn = MultiPathAttention(num_paths, embed_dim, num_heads,
-                                            dropout=attention_dropout)
-        self.self_attn_mixer = mixer()
+        super().__init__(num_paths, embed_dim, path_norm, learnable_weights, cheap_features,
+                         dropout)
+        self._add_self_attention(num_heads, attention_dropout)
         if no_encoder_attn:
             self.encoder_attn = None
         else:
@@ -445,11 +468,8 @@ class MultiPathDecoderLayer(nn.Module):
             self.encoder_attn = MultiPathAttention(
                 num_paths, embed_dim, num_heads, kdim=encoder_embed_dim or embed_dim,
                 dropout=attention_dropout, encoder_decoder_attention=True)
-            self.encoder_attn_mixer = mixer()
-        self.final_layer_norm = nn.LayerNorm(embed_dim)
-        self.ffn = MultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation_fn,
-                                        activation_dropout)
-        self.ffn_mixer = mixer()
+            self.encoder_attn_mixer = self._new_mixer()
+        self._add_feed_forward(ffn_dim, activation_fn, activation_dropout)
 
     def forward(self, x: Tensor, encoder_out: Optional[Tensor] = None,
                 encoder_padding_mask: Optional[Tensor] = None,
@@ -462,13 +482,12 @@ class MultiPathDecoderLayer(nn.Module):
         ``self_attn_is_causal``: causal self-attention without a mask tensor (see
         :meth:`MultiPathAttention.forward`)."""
         self_cache = None if cache is None else cache.setdefault("self_attn", {})
-        paths = self.self_attn(self.self_attn_layer_norm(x),
-                               key_padding_mask=self_attn_padding_mask, attn_mask=self_attn_mask,
-                               cache=self_cache, is_causal=self_attn_is_causal)
-        x = self.self_attn_mixer(paths, x)
+        x = self._self_attention(x, key_padding_mask=self_attn_padding_mask,
+                                 attn_mask=self_attn_mask, cache=self_cache,
+                                 is_causal=self_attn_is_causal)
         if self.encoder_attn is not None:
             cross_cache = None if cache is None else cache.setdefault("encoder_attn", {})
             paths = self.encoder_attn(self.encoder_attn_layer_norm(x), encoder_out,
                                       key_padding_mask=encoder_padding_mask, cache=cross_cache)
             x = self.encoder_attn_mixer(paths, x)
-        return self.ffn_mixer(self.ffn(self.final_layer_norm(x)), x)
+        return self._feed_forward(x)

@@ -241,9 +241,10 @@ class ReferenceMultiPathEncoderLayer(_ReferenceLayer):
         return self.ffn_mixer(self.ffn(self.final_layer_norm(x)), x)
 
 
-class ReferenceMultiPathDecoderLayer(_ReferenceLayer):
-    """Reference for :class:`multipath_nmt.modules.multipath.MultiPathDecoderLayer` (full
-    sequences only; the reference has no incremental decoding)."""
+class ReferenceMultiPathDecoderLayer(ReferenceMultiPathEncoderLayer):
+    """Reference for :class:`multipath_nmt.modules.multipath.MultiPathDecoderLayer`: the encoder
+    layer's sublayers with an encoder-decoder attention sublayer between them (full sequences
+    only; the reference has no incremental decoding)."""
 
     def __init__(self, embed_dim: int, ffn_dim: int, num_heads: int, num_paths: int,
                  path_norm: bool = True, learnable_weights: bool = True,
@@ -251,13 +252,9 @@ class ReferenceMultiPathDecoderLayer(_ReferenceLayer):
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
                  activation_fn: Callable = F.relu, encoder_embed_dim: Optional[int] = None,
                  no_encoder_attn: bool = False):
-        super().__init__()
-        mixer_args = dict(path_norm=path_norm, learnable_weights=learnable_weights,
-                          cheap_features=cheap_features, dropout=dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
-        self.self_attn = ReferenceMultiPathAttention(num_paths, embed_dim, num_heads,
-                                                     dropout=attention_dropout)
-        self.self_attn_mixer = ReferencePathMixer(num_paths, embed_dim, **mixer_args)
+        super().__init__(embed_dim, ffn_dim, num_heads, num_paths, path_norm, learnable_weights,
+                         cheap_features, dropout, attention_dropout, activation_dropout,
+                         activation_fn)
         if no_encoder_attn:
             self.encoder_attn = None
         else:
@@ -265,11 +262,9 @@ class ReferenceMultiPathDecoderLayer(_ReferenceLayer):
             self.encoder_attn = ReferenceMultiPathAttention(
                 num_paths, embed_dim, num_heads, kdim=encoder_embed_dim,
                 dropout=attention_dropout, encoder_decoder_attention=True)
-            self.encoder_attn_mixer = ReferencePathMixer(num_paths, embed_dim, **mixer_args)
-        self.final_layer_norm = nn.LayerNorm(embed_dim)
-        self.ffn = ReferenceMultiPathFeedForward(num_paths, embed_dim, ffn_dim, activation_fn,
-                                                 activation_dropout)
-        self.ffn_mixer = ReferencePathMixer(num_paths, embed_dim, **mixer_args)
+            self.encoder_attn_mixer = ReferencePathMixer(
+                num_paths, embed_dim, path_norm=path_norm, learnable_weights=learnable_weights,
+                cheap_features=cheap_features, dropout=dropout)
 
     def forward(self, x: Tensor, encoder_out: Optional[Tensor] = None,
                 encoder_padding_mask: Optional[Tensor] = None,
