@@ -21,7 +21,7 @@ setup(
         "matplotlib>=3.7",
     ],
     # import-linter checks the layering of docs/architecture.md (.importlinter, make test)
-    extras_require={"test": ["pytest>=7", "import-linter>=2.1"]},
+    extras_require={"test": ["pytest>=7", "import-linter>=2.5"]},
     entry_points={
         "console_scripts": [
             "multipath-average=multipath_nmt.cli.average:main",
