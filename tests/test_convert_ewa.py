@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_cli, run_fairseq
+from conftest import TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq
+from helpers.models import build_like_fairseq_train
 
 from multipath_nmt.cli.convert_ewa import main
 from multipath_nmt.ewa_folding import NotAnEWACheckpoint, convert_ewa_checkpoint, fold_state_dict
@@ -105,17 +106,7 @@ def test_missing_input_is_a_clear_error(tmp_path):
 
 
 def _build_model(data, *flags, with_cfg=False):
-    """Build the model as fairseq-train does (from the omegaconf config it later saves)."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [str(data), "--user-dir", str(USER_DIR),
-                                                "--arch", "ewa_transformer_wmt_en_de",
-                                                "--max-update", "10", *map(str, flags)])
-    cfg = convert_namespace_to_omegaconf(args)
-    model = tasks.setup_task(cfg.task).build_model(cfg.model)
-    return (model, cfg) if with_cfg else model
+    return build_like_fairseq_train(data, "ewa_transformer_wmt_en_de", *flags, with_cfg=with_cfg)
 
 
 @pytest.mark.slow
@@ -137,28 +128,6 @@ def test_ewa_init_from_a_mismatched_model_is_a_clear_error(toy_data_bin, convert
     flags = [f if f != "64" else "48" for f in TINY_MODEL]  # other FFN width
     with pytest.raises(ValueError, match="--encoder-ffn-embed-dim"):
         _build_model(toy_data_bin, *flags, "--share-all-embeddings", "--ewa-init-from", converted)
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--ewa-share-rate", "1.5"], "share rate must be in"),
-    (["--ewa-experts", "1"], "--ewa-experts must be at least 2"),
-    (["--ewa-stop-at", "-0.5"], "stop-at must be"),
-])
-def test_impossible_ewa_settings_fail_at_build_time(toy_data_bin, flags, message):
-    with pytest.raises(ValueError, match=message):
-        _build_model(toy_data_bin, *TINY_MODEL, *flags)
-
-
-def test_unknown_layer_pattern_fails_at_build_time():
-    from argparse import Namespace
-
-    from multipath_nmt.models.moe_transformer import check_args
-
-    args = Namespace(encoder_ffn="ewa", ewa_experts=4, ewa_layers="odd", encoder_layers=6,
-                     ewa_share_rate=0.3, ewa_schedule="linear", max_update=10, ewa_stop_at=None,
-                     ewa_init_from=None)
-    with pytest.raises(ValueError, match="unknown --ewa-layers pattern 'odd'"):
-        check_args(args)
 
 
 def test_fold_drops_the_fp32_copies_of_half_precision_experts():

@@ -11,6 +11,7 @@ from multipath_nmt import ewa_training
 from multipath_nmt.modules.ewa import (EXPERT_TENSORS, EarlyEWAMoE, EWAFeedForward,
                                        EWASchedule, average_experts_, uniform_partition)
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
+from helpers.models import build_like_fairseq_train
 
 
 def test_update_formula_on_hand_numbers():
@@ -468,3 +469,25 @@ def test_training_step_and_averaging_make_no_host_sync():
         half.ewa_after_step(1, {})
         half.ewa_after_step(2, {})  # the fp32 copies taking the parameters' changes
     assert syncs.total == 0, syncs.by_op
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ewa-share-rate", "1.5"], "share rate must be in"),
+    (["--ewa-experts", "1"], "--ewa-experts must be at least 2"),
+    (["--ewa-stop-at", "-0.5"], "stop-at must be"),
+])
+def test_impossible_ewa_settings_fail_at_build_time(toy_data_bin, flags, message):
+    with pytest.raises(ValueError, match=message):
+        build_like_fairseq_train(toy_data_bin, "ewa_transformer_wmt_en_de", *TINY_MODEL, *flags)
+
+
+def test_unknown_layer_pattern_fails_at_build_time():
+    from argparse import Namespace
+
+    from multipath_nmt.models.moe_transformer import check_args
+
+    args = Namespace(encoder_ffn="ewa", ewa_experts=4, ewa_layers="odd", encoder_layers=6,
+                     ewa_share_rate=0.3, ewa_schedule="linear", max_update=10, ewa_stop_at=None,
+                     ewa_init_from=None)
+    with pytest.raises(ValueError, match="unknown --ewa-layers pattern 'odd'"):
+        check_args(args)

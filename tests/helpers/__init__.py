@@ -1,1 +1,2 @@
-"""Drivers shared by the robustness tests (crash-resume, distributed, determinism)."""
+"""Drivers shared by tests: fairseq-train runs (crash-resume, distributed, determinism) and models
+built as fairseq-train builds them."""
