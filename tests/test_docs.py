@@ -17,6 +17,8 @@ FAIRSEQ_FILES = {"examples/translation/prepare-wmt14en2de.sh"}
 TEST = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 # A dotted module of the package, e.g. multipath_nmt.fairseq_patches.numerics
 MODULE = re.compile(r"(?<![\w./-])(multipath_nmt(?:\.[a-z_]+)+)")
+# A Markdown link or image to a file of the repository, relative to the document: [x](path#anchor)
+LINK = re.compile(r"\]\((?![a-z]+:)([^)#\s]+)(?:#[^)\s]*)?\)")
 
 
 def _references(pattern):
@@ -66,7 +68,15 @@ def test_every_module_named_in_the_docs_imports():
     assert missing == []
 
 
-@pytest.mark.parametrize("pattern", [FILE, TEST, MODULE], ids=["files", "tests", "modules"])
+def test_every_relative_link_in_the_docs_resolves():
+    # links resolve from the document's folder, so a moved figure breaks them where FILE cannot see
+    missing = [f"{doc}: {path}" for doc, (path,) in _references(LINK)
+               if not (ROOT / doc).parent.joinpath(path).exists()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("pattern", [FILE, TEST, MODULE, LINK],
+                         ids=["files", "tests", "modules", "links"])
 def test_the_docs_name_something(pattern):
     # guards the patterns themselves: an edit that matches nothing would make the checks vacuous
     assert _references(pattern)
