@@ -257,6 +257,31 @@ def test_table_marks_differences_not_significant_in_some_seed():
                      "base": ["+0.00 †", "0.001"]}
 
 
+def _plotted_limits(monkeypatch, tmp_path, summaries):
+    limits = {}
+    monkeypatch.setattr(study, "_save_figure", lambda figure, path: limits.update(
+        x=figure.axes[0].get_xlim(), y=figure.axes[0].get_ylim()))
+    study.plot(summaries, tmp_path / "study.png", "title")
+    return limits
+
+
+def test_bleu_plot_does_not_magnify_a_small_difference(monkeypatch, tmp_path):
+    # the 10,000-update results: equal sizes, 36.24 and 36.35 BLEU; autoscaling alone drew
+    # 0.1 BLEU over the figure's whole height
+    deep, multipath = _summary("deep", [1]), _summary("mp_learnable", [1])
+    deep.update(family="deep", params=2_999_700, mean={"test_bleu": 36.24})
+    multipath.update(family="multi-path", params=3_001_230, mean={"test_bleu": 36.35})
+    limits = _plotted_limits(monkeypatch, tmp_path, [deep, multipath])
+    assert limits["x"] == pytest.approx((3.000465 - 0.1, 3.000465 + 0.1))
+    assert limits["y"] == pytest.approx((36.295 - 1.0, 36.295 + 1.0))
+    # wider data keep matplotlib's own limits
+    multipath["mean"] = {"test_bleu": 30.0}
+    multipath["params"] = 2_400_000
+    limits = _plotted_limits(monkeypatch, tmp_path, [deep, multipath])
+    assert limits["y"][0] < 30.0 and limits["y"][1] > 36.24
+    assert limits["y"][1] - limits["y"][0] < 7.0 and limits["x"][1] - limits["x"][0] < 0.7
+
+
 def test_parallel_runs_and_devices_that_cannot_work_are_refused(tmp_path):
     updates, minutes = study.Budget(updates=100), study.Budget(minutes=1.0)
     with pytest.raises(study.StudyError, match="^--parallel 2 runs several trainings on one "

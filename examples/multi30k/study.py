@@ -741,6 +741,10 @@ FAMILY_STYLE = {"base": ("black", "o"), "deep": ("tab:blue", "s"), "wide": ("tab
                 "multi-path": ("tab:red", "^"), "MoE-style": ("tab:green", "v")}
 
 
+PLOT_MIN_SPAN_PARAMS = 0.2  # million parameters
+PLOT_MIN_SPAN_BLEU = 2.0
+
+
 def plot(summaries: List[dict], path: Path, title: str) -> None:
     """BLEU vs parameters (the paper's Fig. 1): a line from the base model to each system, error
     bars of one sample std over seeds."""
@@ -766,12 +770,25 @@ def plot(summaries: List[dict], path: Path, title: str) -> None:
     for family, (colour, marker) in FAMILY_STYLE.items():
         if any(s["family"] == family for s in summaries):
             axes.plot([], [], color=colour, marker=marker, linestyle="none", label=family)
+    # matplotlib fits the axes to the points: two systems of equal size 0.1 BLEU apart would
+    # fill the whole figure, so the axes span at least the label sizes above, 4x over
+    axes.set_xlim(_spanning(axes.get_xlim(), PLOT_MIN_SPAN_PARAMS))
+    axes.set_ylim(_spanning(axes.get_ylim(), PLOT_MIN_SPAN_BLEU))
     axes.set_xlabel("parameters (M)")
     axes.set_ylabel("test BLEU, tokenized (Multi30k test 2016)")
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     _save_figure(figure, path)
+
+
+def _spanning(limits: Tuple[float, float], span: float) -> Tuple[float, float]:
+    """``limits`` widened about their middle to at least ``span``."""
+    low, high = limits
+    if high - low >= span:
+        return low, high
+    middle = (low + high) / 2
+    return middle - span / 2, middle + span / 2
 
 
 def _save_figure(figure, path: Path) -> None:
