@@ -258,9 +258,14 @@ def test_table_marks_differences_not_significant_in_some_seed():
 
 
 def _plotted_limits(monkeypatch, tmp_path, summaries):
+    """The BLEU plot's axis limits, read where the study would save the figure."""
+    import matplotlib.pyplot as plt
     limits = {}
-    monkeypatch.setattr(study, "_save_figure", lambda figure, path: limits.update(
-        x=figure.axes[0].get_xlim(), y=figure.axes[0].get_ylim()))
+
+    def capture(figure, path):
+        limits.update(x=figure.axes[0].get_xlim(), y=figure.axes[0].get_ylim())
+        plt.close(figure)
+    monkeypatch.setattr(study, "_save_figure", capture)
     study.plot(summaries, tmp_path / "study.png", "title")
     return limits
 
