@@ -138,8 +138,8 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
         cells = [c.strip() for c in row.strip("|").split("|")]
         run = summary["runs"][0]
         # no validation in a time budget, no deep model to compare with
-        assert cells[7:9] == ["-", "-"] and cells[12:] == ["-", "-"]
-        numbers = [float(c) for c in cells[1:7] + cells[9:12]]
+        assert cells[7:10] == ["-", "-", "-"] and cells[13:] == ["-", "-"]
+        numbers = [float(c) for c in cells[1:7] + cells[10:13]]
         assert numbers == [round(summary["params"] / 1e6, 2),
                            round(summary["active_params"] / 1e6, 2),
                            run["updates"], pytest.approx(run["epochs"], abs=0.005),
@@ -204,6 +204,33 @@ def test_plateau_is_the_best_loss_gain_over_the_last_fifth_of_training():
     assert study.plateau([]) is None
     assert study.plateau([(50, 5.0), (60, 4.0)]) is None
     assert study.plateau([(100, 4.0)]) is None
+
+
+def test_valid_curves_are_compared_at_the_validations_both_made_in_the_last_fifth():
+    # window from update 80 (of 100): shared validations at 90 and 100 (85 is the baseline's
+    # alone, 80 is outside); 3.96 vs 4.0 is -1%, 4.04 vs 4.0 is +1%
+    baseline = [(20, 6.0), (80, 4.0), (85, 4.1), (90, 4.0), (100, 4.0)]
+    curve = [(20, 5.0), (80, 3.0), (90, 3.96), (100, 4.04)]
+    check = study.compare_curves(curve, baseline)
+    assert check == {"window_start_update": 80.0, "points": 2, "lower": 1,
+                     "mean_difference": pytest.approx(0.0)}
+    assert study.compare_curves([(90, 3.6), (100, 3.8)], baseline)["mean_difference"] == \
+        pytest.approx(-0.075)
+    # the window ends where the shorter run ends
+    assert study.compare_curves([(80, 3.6), (85, 4.3)], baseline) == {
+        "window_start_update": 68.0, "points": 2, "lower": 1,
+        "mean_difference": pytest.approx((-0.1 + 0.2 / 4.1) / 2)}
+    # nothing shared in the window, or no curve (a time budget without validation)
+    assert study.compare_curves([(95, 4.0), (99, 4.0)], baseline) is None
+    assert study.compare_curves([], baseline) is None
+
+
+def test_table_gives_the_valid_loss_difference_to_deep_over_seeds():
+    summary = _summary("wide", [1, 2], [0.5, 0.5], [0.3, 0.4])
+    summary["vs_deep"]["valid_loss"] = {"mean_difference": -0.01234, "lower": 9, "points": 26}
+    rows = study.markdown_table([_summary("deep", [1, 2]), summary]).splitlines()
+    column = rows[0].split("|").index(" valid loss vs deep, last 20% ")
+    assert [row.split("|")[column].strip() for row in rows[2:]] == ["-", "-1.2% (9/26)"]
 
 
 REFS = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch.",
@@ -401,6 +428,15 @@ def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, 
         assert check == {"seed": check["seed"], **study.paired_bootstrap(base_hyps, hyps, refs)}
     versus = multipath["vs_deep"]
     assert versus["significant"] == all(c["significant"] for c in versus["per_seed"])
+    # the validation losses against deep's, per seed, at the validations of the last 20%
+    deep_curves = {r["seed"]: r["valid_curve"] for r in deep["runs"]}
+    per_seed = [{"seed": r["seed"], **study.compare_curves(r["valid_curve"],
+                                                            deep_curves[r["seed"]])}
+                for r in multipath["runs"]]
+    assert [c["points"] for c in per_seed] == [1, 1]
+    assert versus["valid_loss"] == {
+        "per_seed": per_seed, "lower": sum(c["lower"] for c in per_seed), "points": 2,
+        "mean_difference": pytest.approx(sum(c["mean_difference"] for c in per_seed) / 2)}
     row = next(line for line in (results / "study.md").read_text().splitlines()
                if line.startswith("| mp_original: "))
     delta, p_values = [c.strip() for c in row.split("|")[-3:-1]]
