@@ -314,6 +314,30 @@ def test_bleu_plot_does_not_magnify_a_small_difference(monkeypatch, tmp_path):
     assert limits["y"][1] - limits["y"][0] < 7.0 and limits["x"][1] - limits["x"][0] < 0.7
 
 
+def test_validation_loss_plot_zooms_into_the_second_half(monkeypatch, tmp_path):
+    import matplotlib.pyplot as plt
+    panels = []
+
+    def capture(figure, path):
+        panels.extend((axes.get_xlim(), axes.get_ylim(), axes.get_title())
+                      for axes in figure.axes)
+        plt.close(figure)
+    monkeypatch.setattr(study, "_save_figure", capture)
+    deep, wide = _summary("deep", [1, 2]), _summary("wide", [1])
+    deep["runs"] = [{"valid_curve": [(100, 6.0), (500, 3.0), (1000, 2.9)]},
+                    {"valid_curve": [(100, 6.2), (500, 3.2), (1000, 2.8)]}]
+    wide["runs"] = [{"valid_curve": [(100, 5.5), (500, 3.1), (1000, 3.0)]}]
+    assert study.plot_validation_loss([deep, wide], tmp_path / "loss.png", "title")
+    (whole_x, whole_y, whole_title), (zoom_x, zoom_y, zoom_title) = panels
+    assert whole_y[0] < 2.8 and whole_y[1] > 6.2
+    assert whole_title == "title: mean of 2 seeds, shaded min-max"
+    # from update 500: deep's seeds span 2.8-3.2 (shaded), wide 3.0-3.1; 5% margins of 0.4
+    assert zoom_x == (500, 1000) and zoom_title == "from update 500 on, zoomed"
+    assert zoom_y == pytest.approx((2.78, 3.22))
+    # no curves (a time budget without validation): no plot
+    assert not study.plot_validation_loss([_summary("deep", [1])], tmp_path / "none.png", "t")
+
+
 def test_parallel_runs_and_devices_that_cannot_work_are_refused(tmp_path):
     updates, minutes = study.Budget(updates=100), study.Budget(minutes=1.0)
     with pytest.raises(study.StudyError, match="^--parallel 2 runs several trainings on one "

@@ -709,8 +709,9 @@ def markdown_table(summaries: List[dict]) -> str:
             f"{s['active_params'] / 1e6:.2f} | {_cell(s, 'updates', 0)} | "
             f"{_cell(s, 'epochs', 2)} | {_cell(s, 'train_tokens_per_second', 0)} | "
             f"{_cell(s, 'train_wall_minutes', 1)} | {_cell(s, 'valid_loss', 3)} | "
-            f"{_plateau_cell(s)} | {_valid_versus_cell(s)} | {_cell(s, 'valid_bleu', 2)} | {_cell(s, 'test_bleu', 2)} | "
-            f"{_cell(s, 'test_sacrebleu', 2)} | {delta} | {p_values} |")
+            f"{_plateau_cell(s)} | {_valid_versus_cell(s)} | {_cell(s, 'valid_bleu', 2)} | "
+            f"{_cell(s, 'test_bleu', 2)} | {_cell(s, 'test_sacrebleu', 2)} | {delta} | "
+            f"{p_values} |")
     return "\n".join(lines) + "\n"
 
 
@@ -854,9 +855,16 @@ def mean_curve(curves: Sequence[Sequence[Tuple[int, float]]]):
             [max(v) for v in values])
 
 
+# The validation-loss plot's right panel: the second half of training, where converged systems
+# differ by 1-2% and a full-height axis from the first validation (loss 6+) flattens them
+VALID_PLOT_ZOOM_FROM = 0.5
+VALID_PLOT_ZOOM_MARGIN = 0.05  # of the zoomed range, above and below
+
+
 def plot_validation_loss(summaries: List[dict], path: Path, title: str) -> bool:
     """Validation loss against updates per system: the mean over seeds, shaded between the
-    seeds' min and max. False (nothing drawn) when no run has a validation curve."""
+    seeds' min and max; left the whole run, right its second half with the loss axis fitted to
+    it. False (nothing drawn) when no run has a validation curve."""
     curves = [(s, [r["valid_curve"] for r in s["runs"] if r.get("valid_curve")])
               for s in summaries]
     curves = [(s, c) for s, c in curves if c]
@@ -865,20 +873,32 @@ def plot_validation_loss(summaries: List[dict], path: Path, title: str) -> bool:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figure, axes = plt.subplots(figsize=(7.5, 5))
+    figure, (whole, zoomed) = plt.subplots(1, 2, figsize=(13, 5))
+    last = max(run[-1][0] for _, runs in curves for run in runs)
+    zoom_start = VALID_PLOT_ZOOM_FROM * last
+    zoomed_losses = []
     for index, (s, runs) in enumerate(curves):
         updates, mean, low, high = mean_curve(runs)
         colour = f"C{index % 10}"
-        axes.plot(updates, mean, color=colour, linewidth=1.3,
-                  linestyle="-" if index < 10 else "--", label=s["system"])
-        if len(runs) > 1:
-            axes.fill_between(updates, low, high, color=colour, alpha=0.2, linewidth=0)
-    axes.set_xlabel("updates (2,048 tokens each)")
-    axes.set_ylabel("validation loss (nll, bits per token)")
+        zoomed_losses += [loss for u, lowest, highest in zip(updates, low, high)
+                          if u >= zoom_start for loss in (lowest, highest)]
+        for axes in (whole, zoomed):
+            axes.plot(updates, mean, color=colour, linewidth=1.3,
+                      linestyle="-" if index < 10 else "--", label=s["system"])
+            if len(runs) > 1:
+                axes.fill_between(updates, low, high, color=colour, alpha=0.2, linewidth=0)
     seeds = max(len(runs) for _, runs in curves)
-    axes.set_title(title + (f": mean of {seeds} seeds, shaded min-max" if seeds > 1 else ""))
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    whole.set_title(title + (f": mean of {seeds} seeds, shaded min-max" if seeds > 1 else ""))
+    zoomed.set_title(f"from update {zoom_start:,.0f} on, zoomed")
+    zoomed.set_xlim(zoom_start, last)
+    if zoomed_losses:
+        margin = VALID_PLOT_ZOOM_MARGIN * (max(zoomed_losses) - min(zoomed_losses) or 1.0)
+        zoomed.set_ylim(min(zoomed_losses) - margin, max(zoomed_losses) + margin)
+    for axes in (whole, zoomed):
+        axes.set_xlabel("updates (2,048 tokens each)")
+        axes.set_ylabel("validation loss (nll, bits per token)")
+        axes.grid(alpha=0.3)
+    zoomed.legend(fontsize=8)
     _save_figure(figure, path)
     return True
 
