@@ -284,6 +284,54 @@ def test_table_marks_differences_not_significant_in_some_seed():
                      "base": ["+0.00 †", "0.001"]}
 
 
+def test_ablation_steps_follow_table_4_and_skip_rows_not_run():
+    every = study.SYSTEM_NAMES
+    assert study.ablation_step("mp_pathnorm", every) == "mp_original"
+    assert study.ablation_step("mp_learnable", every) == "mp_pathnorm"
+    assert study.ablation_step("mp_cheap", every) == "mp_learnable"
+    assert study.ablation_step("mp_no_pathnorm", every) == "mp_learnable"
+    # without + PathNorm, + learnable weights is a step from the original
+    assert study.ablation_step("mp_learnable", ["deep", "mp_original"]) == "mp_original"
+    assert study.ablation_step("mp_cheap", ["deep"]) is None
+    assert study.ablation_step("mp_original", every) is None
+    assert study.ablation_step("wide", every) is None
+
+
+def test_each_table_4_row_is_tested_against_the_row_it_changes(monkeypatch, tmp_path):
+    compared = []
+
+    def fake_bootstrap(baseline, system, references):
+        compared.append((baseline[0], system[0]))
+        return {"baseline_bleu": 30.0, "bleu": 30.5, "delta": 0.5, "p_value": 0.2,
+                "significant": False, "signature": "bs"}
+    monkeypatch.setattr(study, "detokenized_translations",
+                        lambda path: ([path.parent.parent.name], ["ref"]))
+    monkeypatch.setattr(study, "paired_bootstrap", fake_bootstrap)
+    curves = {"deep": 3.0, "mp_original": 2.97, "mp_learnable": 3.03, "mp_cheap": 3.0}
+    finished = {(name, 1): {"system": name, "seed": 1, "flags": [], "params": 3e6,
+                            "active_params": 3e6, "test_sacrebleu": 36.0,
+                            "valid_curve": [(80, 4.0), (100, loss)]}
+                for name, loss in curves.items()}
+    systems = [s for s in study.SYSTEMS if s.name in curves]
+    summaries = study.summaries_of(systems, finished, [1], tmp_path, {})
+    by_name = {s["system"]: s for s in summaries}
+    # each system against deep; + learnable weights against the original (no + PathNorm run),
+    # cheap features against + learnable weights
+    assert sorted(compared) == sorted([("deep", "mp_original"), ("deep", "mp_learnable"),
+                                       ("deep", "mp_cheap"), ("mp_original", "mp_learnable"),
+                                       ("mp_learnable", "mp_cheap")])
+    assert "vs_ablation_step" not in by_name["deep"] | by_name["mp_original"]
+    step = by_name["mp_cheap"]["vs_ablation_step"]
+    assert step["baseline"] == "mp_learnable" and step["valid_loss"]["lower"] == 1
+    assert step["valid_loss"]["mean_difference"] == pytest.approx(-0.03 / 3.03)
+    rows = study.ablation_table(summaries).splitlines()[2:]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [" mp_learnable: Multi-path 3x2 + PathNorm + learnable weights ", " mp_original "],
+        [" mp_cheap: Multi-path 3x3 + PathNorm + learnable + cheap features ", " mp_learnable "]]
+    assert rows[0].split("|")[3:7] == [" 36.00 ", " +0.50 † ", " 0.200 ", " +2.0% (0/1) "]
+    assert study.ablation_table([by_name["deep"], by_name["mp_original"]]) == ""
+
+
 def _plotted_limits(monkeypatch, tmp_path, summaries):
     """The BLEU plot's axis limits, read where the study would save the figure."""
     import matplotlib.pyplot as plt

@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Container, Dict, List, Optional, Sequence, Tuple
 
 from multipath_nmt import averaging, params, recipe, scoring
 from multipath_nmt.atomic_files import write_atomically, write_text_atomically
@@ -137,6 +137,12 @@ SYSTEMS = [
                                     "up", "--parameternet-experts", "4"], "MoE-style"),
 ]
 SYSTEM_NAMES = [s.name for s in SYSTEMS]
+# Table 4 of the paper (Sec. 5.2) as steps: each multi-path row and the row it changes. "- PathNorm"
+# takes PathNorm out of "+ Learnable Weights"; "+ More Features" is read as added to "+ Learnable
+# Weights" (the method, with PathNorm; "- PathNorm" is the paper's side experiment), as
+# docs/fidelity.md does; here it also goes from 2 to 3 paths, which cheap features need.
+ABLATION_STEPS = {"mp_pathnorm": "mp_original", "mp_learnable": "mp_pathnorm",
+                  "mp_no_pathnorm": "mp_learnable", "mp_cheap": "mp_learnable"}
 # The default systems: the base model as the small reference, the deep baseline, the wide dense
 # model and the multi-path rows of Table 4 in its order; the others run when named (--systems).
 DEFAULT_SYSTEMS = ["base", "deep", "wide", "mp_original", "mp_pathnorm", "mp_learnable",
@@ -624,14 +630,17 @@ def summarize(system: System, runs: List[dict]) -> dict:
     return summary
 
 
-def compare_with_baseline(summary: dict, baseline: dict, runs_root: Path, cache: dict) -> None:
-    """``summary["vs_deep"]``: per seed that both ran, the paired bootstrap of the system's test
-    translations against the baseline's (sacreBLEU on detokenized text); the difference of the
-    means over seeds; ``significant`` when every seed's difference is (cached in ``cache``)."""
+def compare_systems(summary: dict, baseline: dict, runs_root: Path,
+                    cache: dict) -> Optional[dict]:
+    """``summary`` against ``baseline``: per seed that both ran, the paired bootstrap of the
+    system's test translations against the baseline's (sacreBLEU on detokenized text, cached in
+    ``cache``); the difference of the means over seeds; ``significant`` when every seed's
+    difference is; and the validation losses compared (``_compare_valid_curves``). None when
+    they share no seed."""
     seeds = [seed for seed in summary["seeds"] if seed in baseline["seeds"]]
     per_seed = []
     for seed in seeds:
-        key = (summary["system"], seed)
+        key = (baseline["system"], summary["system"], seed)
         if key not in cache:
             base_hyps, refs = detokenized_translations(
                 runs_root / baseline["system"] / f"seed{seed}" / "test.generate")
@@ -640,14 +649,23 @@ def compare_with_baseline(summary: dict, baseline: dict, runs_root: Path, cache:
             cache[key] = {"seed": seed, **paired_bootstrap(base_hyps, hyps, refs)}
         per_seed.append(cache[key])
     if not per_seed:
-        return
+        return None
     deltas = [c["delta"] for c in per_seed]
-    summary["vs_deep"] = {
+    return {
         "baseline": baseline["system"], "per_seed": per_seed,
         "delta_mean": statistics.fmean(deltas),
         "delta_std": statistics.stdev(deltas) if len(deltas) > 1 else None,
         "significant": all(c["significant"] for c in per_seed),
         "valid_loss": _compare_valid_curves(summary, baseline, seeds)}
+
+
+def ablation_step(system: str, finished: Container[str]) -> Optional[str]:
+    """The finished row of Table 4 that ``system`` changes (ABLATION_STEPS), skipping back over
+    rows the study did not run; None for a system outside the ablation."""
+    previous = ABLATION_STEPS.get(system)
+    while previous is not None and previous not in finished:
+        previous = ABLATION_STEPS.get(previous)
+    return previous
 
 
 def _compare_valid_curves(summary: dict, baseline: dict, seeds: Sequence[int]) -> Optional[dict]:
@@ -676,19 +694,18 @@ def _plateau_cell(summary):
     return "-" if check is None else f"{100 * check['max_improvement']:.2f}%"
 
 
-def _valid_versus_cell(summary):
-    """The validation loss's mean relative difference to the deep model's over the last 20% of
+def _valid_versus_cell(versus: Optional[dict]) -> str:
+    """The validation loss's mean relative difference to the other system's over the last 20% of
     training, and at how many of those validations (all seeds) it was lower."""
-    versus = (summary.get("vs_deep") or {}).get("valid_loss")
+    versus = (versus or {}).get("valid_loss")
     if versus is None:
         return "-"
     return f"{100 * versus['mean_difference']:+.1f}% ({versus['lower']}/{versus['points']})"
 
 
-def _versus_cells(summary):
-    """The mean sacreBLEU difference to the deep model (± its std over seeds; † when p >= 0.05 in
-    some seed) and the p-value of each seed."""
-    versus = summary.get("vs_deep")
+def _versus_cells(versus: Optional[dict]) -> Tuple[str, str]:
+    """The mean sacreBLEU difference to the other system (± its std over seeds; † when p >= 0.05
+    in some seed) and the p-value of each seed."""
     if versus is None:
         return "-", "-"
     std = versus["delta_std"]
@@ -703,15 +720,33 @@ def markdown_table(summaries: List[dict]) -> str:
              "last 20% | valid BLEU | test BLEU | test sacreBLEU | vs deep | p per seed |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
-        delta, p_values = _versus_cells(s)
+        delta, p_values = _versus_cells(s.get("vs_deep"))
         lines.append(
             f"| {s['system']}: {s['label']} | {s['params'] / 1e6:.2f} | "
             f"{s['active_params'] / 1e6:.2f} | {_cell(s, 'updates', 0)} | "
             f"{_cell(s, 'epochs', 2)} | {_cell(s, 'train_tokens_per_second', 0)} | "
             f"{_cell(s, 'train_wall_minutes', 1)} | {_cell(s, 'valid_loss', 3)} | "
-            f"{_plateau_cell(s)} | {_valid_versus_cell(s)} | {_cell(s, 'valid_bleu', 2)} | "
+            f"{_plateau_cell(s)} | {_valid_versus_cell(s.get('vs_deep'))} | {_cell(s, 'valid_bleu', 2)} | "
             f"{_cell(s, 'test_bleu', 2)} | {_cell(s, 'test_sacrebleu', 2)} | {delta} | "
             f"{p_values} |")
+    return "\n".join(lines) + "\n"
+
+
+def ablation_table(summaries: List[dict]) -> str:
+    """Table 4's steps: each multi-path row that ran against the row it changes; empty when
+    no step ran."""
+    rows = [s for s in summaries if s.get("vs_ablation_step")]
+    if not rows:
+        return ""
+    lines = ["| row | against | test sacreBLEU | difference | p per seed | "
+             "valid loss difference, last 20% |",
+             "|---|---|---:|---:|---:|---:|"]
+    for s in rows:
+        versus = s["vs_ablation_step"]
+        delta, p_values = _versus_cells(versus)
+        lines.append(f"| {s['system']}: {s['label']} | {versus['baseline']} | "
+                     f"{_cell(s, 'test_sacrebleu', 2)} | {delta} | {p_values} | "
+                     f"{_valid_versus_cell(versus)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -778,6 +813,12 @@ def markdown_report(report: dict) -> str:
     convergence = _convergence_text(report["systems"])
     if convergence:
         lines += [convergence, ""]
+    steps = ablation_table(report["systems"])
+    if steps:
+        lines += ["The paper's ablation (Table 4) step by step: each multi-path row against the "
+                  "row it changes, with the same paired bootstrap (difference of test sacreBLEU, "
+                  "† not significant) and validation-loss comparison as against deep:", "",
+                  steps]
     lines += ["Systems and flags (shared: `" + " ".join(SHARED_MODEL + SHARED_RECIPE) + "`):",
               ""]
     for s in report["systems"]:
@@ -979,15 +1020,20 @@ def write_reports(report: dict, results: Path) -> None:
 def summaries_of(systems: Sequence[System], finished: Dict[Tuple[str, int], dict],
                  seeds: Sequence[int], runs_root: Path, cache: dict) -> List[dict]:
     """The summaries of the systems whose seeds have all finished, each compared with the deep
-    model when it has finished."""
+    model and each Table 4 row with the row it changes, when those have finished."""
     summaries = [summarize(system, [finished[system.name, seed] for seed in seeds])
                  for system in systems
                  if all((system.name, seed) in finished for seed in seeds)]
-    baseline = next((s for s in summaries if s["system"] == BASELINE), None)
-    if baseline is not None:
-        for summary in summaries:
-            if summary is not baseline:
-                compare_with_baseline(summary, baseline, runs_root, cache)
+    by_name = {s["system"]: s for s in summaries}
+    for summary in summaries:
+        comparisons = [("vs_deep", by_name.get(BASELINE)),
+                       ("vs_ablation_step", by_name.get(ablation_step(summary["system"],
+                                                                      by_name)))]
+        for key, other in comparisons:
+            versus = (compare_systems(summary, other, runs_root, cache)
+                      if other is not None and other is not summary else None)
+            if versus is not None:
+                summary[key] = versus
     return summaries
 
 
