@@ -726,9 +726,9 @@ def markdown_table(summaries: List[dict]) -> str:
             f"{s['active_params'] / 1e6:.2f} | {_cell(s, 'updates', 0)} | "
             f"{_cell(s, 'epochs', 2)} | {_cell(s, 'train_tokens_per_second', 0)} | "
             f"{_cell(s, 'train_wall_minutes', 1)} | {_cell(s, 'valid_loss', 3)} | "
-            f"{_plateau_cell(s)} | {_valid_versus_cell(s.get('vs_deep'))} | {_cell(s, 'valid_bleu', 2)} | "
-            f"{_cell(s, 'test_bleu', 2)} | {_cell(s, 'test_sacrebleu', 2)} | {delta} | "
-            f"{p_values} |")
+            f"{_plateau_cell(s)} | {_valid_versus_cell(s.get('vs_deep'))} | "
+            f"{_cell(s, 'valid_bleu', 2)} | {_cell(s, 'test_bleu', 2)} | "
+            f"{_cell(s, 'test_sacrebleu', 2)} | {delta} | {p_values} |")
     return "\n".join(lines) + "\n"
 
 
