@@ -843,7 +843,6 @@ def plot(summaries: List[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     figure, axes = plt.subplots(figsize=(7.5, 5))
     base = next((s for s in summaries if s["system"] == "base"), None)
-    labelled = []  # points that (nearly) coincide get their labels stacked, not overprinted
     for s in summaries:
         colour, marker = FAMILY_STYLE[s["family"]]
         x, y = s["params"] / 1e6, s["mean"]["test_bleu"]
@@ -852,11 +851,6 @@ def plot(summaries: List[dict], path: Path, title: str) -> None:
                       alpha=0.35, linewidth=1)
         axes.errorbar(x, y, yerr=s["std"].get("test_bleu"), color=colour, marker=marker,
                       markersize=7, capsize=3, linestyle="none")
-        # labels of points closer than a label's size (0.05M, 0.5 BLEU) stack upwards
-        stacked = sum(abs(x - lx) < 0.05 and abs(y - ly) < 0.5 for lx, ly in labelled)
-        labelled.append((x, y))
-        axes.annotate(s["system"], (x, y), textcoords="offset points",
-                      xytext=(5, 4 + 10 * stacked), fontsize=8)
     for family, (colour, marker) in FAMILY_STYLE.items():
         if any(s["family"] == family for s in summaries):
             axes.plot([], [], color=colour, marker=marker, linestyle="none", label=family)
@@ -864,12 +858,33 @@ def plot(summaries: List[dict], path: Path, title: str) -> None:
     # fill the whole figure, so the axes span at least the label sizes above, 4x over
     axes.set_xlim(_spanning(axes.get_xlim(), PLOT_MIN_SPAN_PARAMS))
     axes.set_ylim(_spanning(axes.get_ylim(), PLOT_MIN_SPAN_BLEU))
+    _label_points(axes, [(s["system"], s["params"] / 1e6, s["mean"]["test_bleu"])
+                         for s in summaries])
     axes.set_xlabel("parameters (M)")
     axes.set_ylabel("test BLEU, tokenized (Multi30k test 2016)")
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     _save_figure(figure, path)
+
+
+LABEL_SIZE_POINTS = (60, 10)  # room one 8-point system name takes, in typographic points
+
+
+def _label_points(axes, points: Sequence[Tuple[str, float, float]]) -> None:
+    """A name beside each point (x, y in data units, the axes' limits final), from the lowest
+    point up: a label that would overprint one already placed moves up until it is free, so each
+    label starts level with its own point unless another is in the way."""
+    to_points = 72 / axes.figure.dpi
+    placed = []
+    for name, x, y in sorted(points, key=lambda p: p[2]):
+        px, py = (to_points * v for v in axes.transData.transform((x, y)))
+        offset = 4
+        while any(abs(px - qx) < LABEL_SIZE_POINTS[0]
+                  and abs(py + offset - qy) < LABEL_SIZE_POINTS[1] for qx, qy in placed):
+            offset += LABEL_SIZE_POINTS[1]
+        placed.append((px, py + offset))
+        axes.annotate(name, (x, y), textcoords="offset points", xytext=(5, offset), fontsize=8)
 
 
 def _spanning(limits: Tuple[float, float], span: float) -> Tuple[float, float]:
