@@ -855,7 +855,7 @@ def plot(summaries: List[dict], path: Path, title: str) -> None:
         if any(s["family"] == family for s in summaries):
             axes.plot([], [], color=colour, marker=marker, linestyle="none", label=family)
     # matplotlib fits the axes to the points: two systems of equal size 0.1 BLEU apart would
-    # fill the whole figure, so the axes span at least the label sizes above, 4x over
+    # fill the whole figure, so the axes span at least PLOT_MIN_SPAN_PARAMS and _BLEU
     axes.set_xlim(_spanning(axes.get_xlim(), PLOT_MIN_SPAN_PARAMS))
     axes.set_ylim(_spanning(axes.get_ylim(), PLOT_MIN_SPAN_BLEU))
     _label_points(axes, [(s["system"], s["params"] / 1e6, s["mean"]["test_bleu"])
