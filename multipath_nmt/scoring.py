@@ -18,8 +18,12 @@ from typing import List, Optional, Sequence
 
 import sacrebleu
 
-# fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
-_COMPOUND = re.compile(rb"(\S)-(\S)")
+# fairseq's scripts/compound_split_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g', written
+# for text tokenized without -a, plus one alternative tried first at each position: a whole-word
+# "@-@" (tokenizer.perl -a's hyphen token) becomes the one word "##AT##-##AT##" instead of
+# "@ ##AT##-##AT## @".
+_COMPOUND = re.compile(rb"(?<!\S)@-@(?!\S)|(\S)-(\S)")
+_ATAT = b"##AT##-##AT##"
 _GENERATE_LINE = re.compile(r"^([HTD])-(\d+)\t")
 # sacreBLEU's FakeSGMLDataset._convert_format: a line starting "<seg " loses its markup.
 _SGM_SEGMENT = re.compile(r"<seg.*?>(.*)</seg>.*?")
@@ -50,10 +54,29 @@ def _split_on_newline(data: bytes) -> List[bytes]:
     return lines
 
 
+def _split_compound(match) -> bytes:
+    if match.group(1) is None:  # a whole-word "@-@"
+        return _ATAT
+    return match.group(1) + b" " + _ATAT + b" " + match.group(2)
+
+
 def compound_split(data: bytes) -> bytes:
-    """``perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'``: every output line ends with a newline."""
+    """The ``##AT##-##AT##`` compound-split rule on text tokenized with or without ``-a``; every
+    output line ends with a newline.
+
+    Without ``-a`` (``Software-Entwickler``) it is byte for byte fairseq's
+    ``perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'``. With ``-a`` the tokenizer has already
+    split the compound (``Software @-@ Entwickler``); fairseq's rule alone would split the ``@-@``
+    once more into ``@ ##AT##-##AT## @``, two extra words that hypothesis and reference share,
+    which inflates BLEU. Here a whole-word ``@-@`` becomes the single word ``##AT##-##AT##``, so
+    both tokenizations give ``Software ##AT##-##AT## Entwickler``. A hyphen that ``-a`` leaves in
+    place (one not between two letters or digits, e.g. ``3.-5``) gets fairseq's rule, as it does
+    without ``-a``; on ``-a`` text without such hyphens the rule only renames words, and BLEU is
+    the same with or without it. (Only fairseq's own quirk stays: without ``-a`` it leaves the
+    ``b-c`` of ``a-b-c`` unsplit, since matches do not overlap.)
+    """
     chomped = (line[:-1] if line.endswith(b"\n") else line for line in _split_on_newline(data))
-    return b"".join(_COMPOUND.sub(rb"\1 ##AT##-##AT## \2", line) + b"\n" for line in chomped)
+    return b"".join(_COMPOUND.sub(_split_compound, line) + b"\n" for line in chomped)
 
 
 @dataclass

@@ -52,14 +52,24 @@ def _write(folder, hyp, refs):
     return folder / "hyp", folder / "ref"
 
 
+# fairseq's scripts/compound_split_bleu.sh, for text tokenized without -a
+FAIRSEQ_SPLIT = r"s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g"
+# the same in one pass, with a whole-word "@-@" (tokenizer.perl -a) turned into one ##AT##-##AT## word
+BOTH_SPLIT = r"s{(?<!\S)\@-\@(?!\S)|(\S)-(\S)}{defined $1 ? qq{$1 ##AT##-##AT## $2} : q{##AT##-##AT##}}ge"
+
+
+def _perl_split(data, expression):
+    return subprocess.run(["perl", "-ple", expression], input=data, capture_output=True, check=True).stdout
+
+
 def _perl(hyp, ref, *flags, compound=False):
-    """multi-bleu.perl [-lc] ref < hyp, after fairseq's compound-split perl one-liner if asked."""
+    """multi-bleu.perl [-lc] ref < hyp, after a compound-split perl one-liner if asked: ``compound``
+    is FAIRSEQ_SPLIT, BOTH_SPLIT, or True for FAIRSEQ_SPLIT."""
     if compound:
+        expression = FAIRSEQ_SPLIT if compound is True else compound
         refs = [p for p in sorted(ref.parent.glob(ref.name + "*"))]
         for path in [hyp, *refs]:
-            split = subprocess.run(["perl", "-ple", r"s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g"],
-                                   input=path.read_bytes(), capture_output=True, check=True).stdout
-            path.write_bytes(split)
+            path.write_bytes(_perl_split(path.read_bytes(), expression))
     with open(hyp, "rb") as stdin:
         proc = subprocess.run(["perl", MULTI_BLEU, *flags, ref], stdin=stdin, capture_output=True)
     return proc
@@ -90,7 +100,11 @@ def test_compound_split_equals_perl_pipeline(tmp_path, name):
     hyp, ref = _write(tmp_path / "ours", *CASES[name])
     ours = _ours(hyp, ref, "--compound-split")[0]
     hyp, ref = _write(tmp_path / "perl", *CASES[name])
-    assert ours == _perl(hyp, ref, compound=True).stdout.decode().rstrip("\n")
+    assert ours == _perl(hyp, ref, compound=BOTH_SPLIT).stdout.decode().rstrip("\n")
+    texts = [CASES[name][0], *CASES[name][1]]
+    if not any(b"@-@" in t for t in texts):  # text tokenized without -a: exactly fairseq's script
+        hyp, ref = _write(tmp_path / "fairseq", *CASES[name])
+        assert ours == _perl(hyp, ref, compound=FAIRSEQ_SPLIT).stdout.decode().rstrip("\n")
 
 
 def test_compound_split_rule():
@@ -98,6 +112,50 @@ def test_compound_split_rule():
     assert scoring.compound_split(b"a well-known rich-text-format a-b-c - x\n-y a-\nz") == (
         b"a well ##AT##-##AT## known rich ##AT##-##AT## text ##AT##-##AT## format "
         b"a ##AT##-##AT## b-c - x\n-y a-\nz\n")
+    # tokenizer.perl -a's hyphen is already a word: it becomes one ##AT##-##AT## word, not three
+    assert scoring.compound_split(b"Software @-@ Entwickler\n@-@ a @-@\tb\nx@-@y 3.-5") == (
+        b"Software ##AT##-##AT## Entwickler\n##AT##-##AT## a ##AT##-##AT##\tb\n"
+        b"x@ ##AT##-##AT## @y 3. ##AT##-##AT## 5\n")
+
+
+# Raw German with hyphenated compounds (none with a one-letter middle part: fairseq's rule leaves
+# the "b-c" of "a-b-c" unsplit, -a does not).
+COMPOUND_REFS = ["Der Software-Entwickler nutzt eine state-of-the-art E-Mail-Adresse.",
+                 "Die U-Bahn-Station liegt 3.-5. Mai im Nord-Süd-Tunnel, sagte der Ex-Minister.",
+                 "Das Open-Source-Projekt hat 1-2 Mitarbeiter und kein Know-how."]
+COMPOUND_HYPS = ["Der Software-Entwickler nutzt eine moderne E-Mail-Adresse.",
+                 "Die Bahn-Station liegt im Nord-Tunnel, sagte der Minister.",
+                 "Das Open-Source-Projekt hat 2 Mitarbeiter und wenig Know-how."]
+
+
+@needs_perl
+def test_compound_split_on_both_tokenizations(tmp_path):
+    """The same German text tokenized with and without -a scores the same after --compound-split:
+    without -a exactly as fairseq's compound_split_bleu.sh; with -a as multi-bleu.perl after the
+    rule that turns each @-@ word into one ##AT##-##AT## word, which gives the score of the
+    tokenized text itself once the hyphens -a leaves ("3.-5.") are gone; and not as fairseq's rule
+    on -a text, which splits each @-@ again into @ ##AT##-##AT## @ and adds matching words."""
+    normalizer, tokenizer = MosesPunctNormalizer("de"), MosesTokenizer("de")
+    to_file = lambda lines: "".join(line + "\n" for line in lines).encode()  # noqa: E731
+    lines, texts = {}, {}
+    for name, aggressive in (("plain", False), ("a", True)):
+        tok = [[tokenizer.tokenize(normalizer.normalize(s), escape=True, aggressive_dash_splits=aggressive,
+                                   return_str=True) for s in side] for side in (COMPOUND_HYPS, COMPOUND_REFS)]
+        texts[name] = [to_file(side) for side in tok]
+        hyp, ref = _write(tmp_path / name, *texts[name][:1], texts[name][1:])
+        lines[name] = _ours(hyp, ref, "--compound-split")[0]
+    assert b"@-@" in texts["a"][1] and b"@-@" not in texts["plain"][1]
+    assert [scoring.compound_split(t) for t in texts["a"]] == [scoring.compound_split(t) for t in texts["plain"]]
+    assert lines["a"] == lines["plain"]
+    assert lines["plain"] == _perl(*_write(tmp_path / "fs", texts["plain"][0], texts["plain"][1:]),
+                                   compound=FAIRSEQ_SPLIT).stdout.decode().rstrip("\n")
+    assert lines["a"] == _perl(*_write(tmp_path / "both", texts["a"][0], texts["a"][1:]),
+                               compound=BOTH_SPLIT).stdout.decode().rstrip("\n")
+    without = [t.replace(b"3.-5 .", b"3 .") for t in texts["a"]]   # the one hyphen -a leaves
+    hyp, ref = _write(tmp_path / "a-only", without[0], without[1:])
+    assert _ours(hyp, ref, "--compound-split")[0] == _perl(hyp, ref).stdout.decode().rstrip("\n")
+    twice = _perl(*_write(tmp_path / "twice", texts["a"][0], texts["a"][1:]), compound=FAIRSEQ_SPLIT)
+    assert float(twice.stdout.split()[2][:-1]) > float(lines["a"].split()[2][:-1])  # the inflated score
 
 
 @needs_perl
@@ -148,11 +206,15 @@ def test_real_german_text_equals_multi_bleu_perl(multi30k, tmp_path):
     hyps = [perturb(r) for r in refs]
     second_ref = [perturb(r) for r in refs]
     to_file = lambda lines: "".join(line + "\n" for line in lines).encode()  # noqa: E731
+    lines = {}
     for folder, ref_streams in (("one", [refs]), ("two", [refs, second_ref])):
         for flags in ([], ["--compound-split"]):
             hyp, ref = _write(tmp_path / folder / "-".join(flags), to_file(hyps), [to_file(r) for r in ref_streams])
             ours = _ours(hyp, ref, *flags)[0]
-            assert ours == _perl(hyp, ref, compound=bool(flags)).stdout.decode().rstrip("\n")
+            assert ours == _perl(hyp, ref, compound=BOTH_SPLIT if flags else False).stdout.decode().rstrip("\n")
+            lines[folder, bool(flags)] = ours
+        # on -a text the rule only renames the @-@ words (every hyphen here is one), so BLEU is unchanged
+        assert lines[folder, True] == lines[folder, False]
 
 
 def test_exact_numbers_and_sacrebleu_line(tmp_path):

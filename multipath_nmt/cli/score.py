@@ -4,8 +4,10 @@
     multipath-score --generate-output gen.out [--raw-ref RAW] [--compound-split] [--lang de]
 
 Line 1 is exactly what ``multi-bleu.perl [-lc] REF < HYP`` prints on the tokenized text (after
-the ``##AT##-##AT##`` rule on both sides with --compound-split: fairseq's compound_split_bleu.sh,
-the usual WMT En-De convention). Line 2 is corpus sacreBLEU (13a) with its signature, of the
+the ``##AT##-##AT##`` compound-split rule on both sides with --compound-split: fairseq's
+compound_split_bleu.sh on text tokenized without ``-a``; on ``-a`` text, whose compounds are
+already split, each ``@-@`` word becomes one ``##AT##-##AT##`` word instead of being split
+again, so both tokenizations score alike). Line 2 is corpus sacreBLEU (13a) with its signature, of the
 hypotheses Moses-detokenized for --lang against --raw-ref: the references as released
 (DATA_BIN/test.raw.LANG written by multipath-prepare, or the official .sgm itself), which is what
 ``sacrebleu -t wmt14/full -l en-de`` scores against. Without --raw-ref the references are the
@@ -34,8 +36,10 @@ def build_parser():
                              "multipath-prepare, or the official .sgm (extracted like sacreBLEU does); "
                              "one file per reference")
     parser.add_argument("--compound-split", action="store_true",
-                        help="apply s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g to both sides of the tokenized "
-                             "BLEU first (fairseq's compound_split_bleu.sh, the usual WMT En-De convention)")
+                        help="split hyphenated compounds on both sides of the tokenized BLEU first: "
+                             "s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g (fairseq's compound_split_bleu.sh), "
+                             "with each @-@ word of tokenizer.perl -a text made one ##AT##-##AT## word "
+                             "instead, so text tokenized with or without -a scores alike")
     parser.add_argument("-lc", "--lowercase", action="store_true",
                         help="lowercase (ASCII, as multi-bleu.perl -lc does)")
     parser.add_argument("--lang", help="target language: Moses-detokenize the hypotheses (and, without "
