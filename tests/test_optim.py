@@ -6,6 +6,7 @@ import torch
 
 from conftest import TRAIN_FLAGS
 from fairseq.optim.adam import Adam
+from helpers.optimizers import WRAPPERS, build_wrapped
 from helpers.training import assert_same_tensors, load_model_state, run, train_command
 from multipath_nmt.optim.adam_fused import TorchFusedAdam
 
@@ -92,32 +93,6 @@ def test_registered_with_adams_flags():
 
 # --- under fairseq's wrappers -------------------------------------------------------------------
 
-WRAPPERS = {
-    "fp32": [],
-    # fp32 master copies (per tensor: fairseq flattens them only on CUDA)
-    "fp16": ["--fp16", "--fp16-no-flatten-grads"],
-    # fp16 parameters handed to the optimizer as they are
-    "memory-efficient-fp16": ["--memory-efficient-fp16"],
-}
-
-
-def build_wrapped(optimizer_name, wrapper, params=None):
-    """The optimizer fairseq's Trainer builds for these flags (FP16Optimizer,
-    MemoryEfficientFP16Optimizer or the optimizer itself)."""
-    from fairseq import optim, options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data", "--arch", "transformer", "--cpu", "--optimizer", optimizer_name, "--lr", "0.01",
-        "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-6", "--weight-decay", "0.01",
-        "--fp16-init-scale", "128", *WRAPPERS[wrapper]])
-    cfg = convert_namespace_to_omegaconf(args)
-    params = params if params is not None else [torch.nn.Parameter(torch.zeros(2))]
-    if wrapper == "fp16":
-        return optim.FP16Optimizer.build_optimizer(cfg, params)
-    if wrapper == "memory-efficient-fp16":
-        return optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, params)
-    return optim.build_optimizer(cfg.optimizer, params)
 
 
 def train_tiny_model(optimizer_name, wrapper, steps=30):

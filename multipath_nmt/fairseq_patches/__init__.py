@@ -58,9 +58,11 @@ is fixed so that every process and every traceback has the same stack.
 again, and that every test named above exists.
 """
 from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, distributed,
-                                           ewa_trainer, help_flags, numerics, torch_compat)
+                                           ewa_trainer, help_flags, mixed_precision, numerics,
+                                           torch_compat)
 
-MODULES = (torch_compat, help_flags, batching, checkpoints, distributed, numerics, attention, ewa_trainer)
+MODULES = (torch_compat, help_flags, batching, checkpoints, distributed, numerics,
+           mixed_precision, attention, ewa_trainer)
 
 
 def install():
