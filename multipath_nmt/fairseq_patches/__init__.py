@@ -11,45 +11,54 @@ calls, when it is more than the wiring, is library code outside this package
 Tested with fairseq 0.12.3 and torch 2.13. "fairseq 0.12" below means the 0.12 series (the last
 release); "any" means every torch that setup.py allows (>= 2.1).
 
-============  ==========================================================  ===================================================  ============  =================================================================================================
-Module        What is patched                                             Why                                                  Needed on     Proved by
-============  ==========================================================  ===================================================  ============  =================================================================================================
-torch_compat  ``torch.serialization`` safe globals                        fairseq checkpoints pickle ``argparse.Namespace``,   torch >= 2.6  tests/test_compat.py::test_namespace_is_allowed_and_nothing_more
-                                                                          refused by ``weights_only=True`` loading                           tests/test_compat.py::test_train_resume_and_generate_without_environment
-              ``distributed.utils._broadcast_object_slow``                a distributed resume sends rank 0's OmegaConf state  torch >= 2.6  tests/test_distributed.py::test_killed_two_rank_ewa_run_resumes_like_one_process
-                                                                          through ``torch.load``
-help_flags    ``options.parse_args_and_arch``                             ``--help`` printed before the model's flags existed  fairseq 0.12  tests/test_help.py::test_help_lists_the_architectures_flags_with_help_and_default
-batching      ``data_utils.batch_by_size``                                the last batch was dropped (fairseq issue #5036)     fairseq 0.12  tests/test_compat.py::test_batching_keeps_every_sentence
-                                                                                                                                             tests/test_compat.py::test_generate_translates_every_test_sentence
-              ``FairseqTask.get_batch_iterator``                          a run resumed in epoch e >= 2 built other batches    fairseq 0.12  tests/test_checkpoints.py::test_batches_of_a_later_epoch_are_those_of_epoch_1
-                                                                          than an uninterrupted one                                          tests/test_crash_resume.py::test_sigkill_in_epoch_2_then_same_command_resumes_bit_exactly
-checkpoints   ``checkpoint_utils.load_checkpoint_to_cpu``                 one true line for each way a checkpoint fails        fairseq 0.12  tests/test_checkpoints.py::test_reader_tells_each_failure_apart
-                                                                                                                                             tests/test_checkpoints.py::test_fairseq_generate_says_one_line
-              ``checkpoint_utils.torch_persistent_save``                  a full disk left a ``.tmp`` file and a traceback     fairseq 0.12  tests/test_checkpoints.py::test_full_disk_during_a_save
-              ``PathManager.copy``                                        ``checkpoint_last.pt`` was copied in place: a kill   fairseq 0.12  tests/test_compat.py::test_atomic_copy_leaves_no_partial_file
-                                                                          left it unloadable                                                 tests/test_crash_resume.py::test_sigkill_during_checkpoint_copy_leaves_a_loadable_checkpoint_last
-              ``checkpoint_utils.load_checkpoint``                        a damaged ``checkpoint_last.pt`` stopped the resume  fairseq 0.12  tests/test_checkpoints.py::test_resume_sets_a_damaged_checkpoint_last_aside
-                                                                                                                                             tests/test_checkpoints.py::test_resume_with_nothing_readable_starts_over
-              ``Trainer.load_checkpoint``,                                a mismatched dictionary failed later on a tensor     fairseq 0.12  tests/test_checkpoints.py::test_mismatched_dictionary_generate_and_resume
-              ``checkpoint_utils.load_model_ensemble_and_task``           shape
-              ``sys.excepthook``                                          an uncaught ``CheckpointError`` is one line, no      any           tests/test_checkpoints.py::test_console_scripts_say_one_line
-                                                                          traceback
-distributed   ``distributed.utils._infer_torch_distributed_launch_init``  ``torchrun`` without CUDA: ZeroDivisionError in      fairseq 0.12  tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
-                                                                          fairseq's device choice
-              ``distributed_fairseq_model.DistributedDataParallel``       torch's DDP refuses ``device_ids`` for CPU modules   any           tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
-numerics      ``Trainer.train_step``                                      a NaN/Inf did not say its update; fairseq's          torch >= 2.0  tests/test_numerics.py::test_nan_loss_stops_training_with_the_update_number
-                                                                          NanDetector re-run died with ``StopIteration``; a                  tests/test_numerics.py::test_fp16_nan_loss_stops_training_with_the_update_number
-                                                                          CPU fp16 overflow crashed                                          tests/test_numerics.py::test_cpu_fp16_overflow_skips_the_update_instead_of_crashing
-              ``Trainer.__init__``                                        ``--fp16`` without CUDA died deep inside fairseq     fairseq 0.12  tests/test_numerics.py::test_fp16_without_cuda_is_refused_with_a_clear_message
-attention     ``MultiheadAttention.forward``                              mask tensors ruled out flash attention in the        torch >= 2.0  tests/test_attention.py::test_causal_self_attention_is_exact_at_every_unpadded_position
-                                                                          decoder; cross-attention skipped SDPA                              tests/test_attention.py::test_encoder_decoder_attention_takes_the_sdpa_path_with_fairseqs_numbers
-              ``TransformerModelBase.build_model``                        marks the decoder self-attentions (and the padding   fairseq 0.12  tests/test_attention.py::test_left_padded_targets_keep_the_masks
-                                                                          side) for the ``forward`` above                                    tests/test_attention.py::test_mask_passed_to_sdpa_per_call_site
-ewa_trainer   ``Trainer.train_step``,                                     EWA averages after every optimizer step; fairseq     fairseq 0.12  tests/test_ewa.py::test_hook_runs_only_on_real_steps
-              ``Trainer.set_num_updates``                                 has no after-step hook                                             tests/test_ewa.py::test_fairseq_train_averages_after_every_update_in_half_precision
-============  ==========================================================  ===================================================  ============  =================================================================================================
+================  ==========================================================  ===================================================  ============  =================================================================================================
+Module            What is patched                                             Why                                                  Needed on     Proved by
+================  ==========================================================  ===================================================  ============  =================================================================================================
+torch_compat      ``torch.serialization`` safe globals                        fairseq checkpoints pickle ``argparse.Namespace``,   torch >= 2.6  tests/test_compat.py::test_namespace_is_allowed_and_nothing_more
+                                                                              refused by ``weights_only=True`` loading                           tests/test_compat.py::test_train_resume_and_generate_without_environment
+                  ``distributed.utils._broadcast_object_slow``                a distributed resume sends rank 0's OmegaConf state  torch >= 2.6  tests/test_distributed.py::test_killed_two_rank_ewa_run_resumes_like_one_process
+                                                                              through ``torch.load``
+help_flags        ``options.parse_args_and_arch``                             ``--help`` printed before the model's flags existed  fairseq 0.12  tests/test_help.py::test_help_lists_the_architectures_flags_with_help_and_default
+batching          ``data_utils.batch_by_size``                                the last batch was dropped (fairseq issue #5036)     fairseq 0.12  tests/test_compat.py::test_batching_keeps_every_sentence
+                                                                                                                                                 tests/test_compat.py::test_generate_translates_every_test_sentence
+                  ``FairseqTask.get_batch_iterator``                          a run resumed in epoch e >= 2 built other batches    fairseq 0.12  tests/test_checkpoints.py::test_batches_of_a_later_epoch_are_those_of_epoch_1
+                                                                              than an uninterrupted one                                          tests/test_crash_resume.py::test_sigkill_in_epoch_2_then_same_command_resumes_bit_exactly
+checkpoints       ``checkpoint_utils.load_checkpoint_to_cpu``                 one true line for each way a checkpoint fails        fairseq 0.12  tests/test_checkpoints.py::test_reader_tells_each_failure_apart
+                                                                                                                                                 tests/test_checkpoints.py::test_fairseq_generate_says_one_line
+                  ``checkpoint_utils.torch_persistent_save``                  a full disk left a ``.tmp`` file and a traceback     fairseq 0.12  tests/test_checkpoints.py::test_full_disk_during_a_save
+                  ``PathManager.copy``                                        ``checkpoint_last.pt`` was copied in place: a kill   fairseq 0.12  tests/test_compat.py::test_atomic_copy_leaves_no_partial_file
+                                                                              left it unloadable                                                 tests/test_crash_resume.py::test_sigkill_during_checkpoint_copy_leaves_a_loadable_checkpoint_last
+                  ``checkpoint_utils.load_checkpoint``                        a damaged ``checkpoint_last.pt`` stopped the resume  fairseq 0.12  tests/test_checkpoints.py::test_resume_sets_a_damaged_checkpoint_last_aside
+                                                                                                                                                 tests/test_checkpoints.py::test_resume_with_nothing_readable_starts_over
+                  ``Trainer.load_checkpoint``,                                a mismatched dictionary failed later on a tensor     fairseq 0.12  tests/test_checkpoints.py::test_mismatched_dictionary_generate_and_resume
+                  ``checkpoint_utils.load_model_ensemble_and_task``           shape
+                  ``sys.excepthook``                                          an uncaught ``CheckpointError`` is one line, no      any           tests/test_checkpoints.py::test_console_scripts_say_one_line
+                                                                              traceback
+distributed       ``distributed.utils._infer_torch_distributed_launch_init``  ``torchrun`` without CUDA: ZeroDivisionError in      fairseq 0.12  tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
+                                                                              fairseq's device choice
+                  ``distributed_fairseq_model.DistributedDataParallel``       torch's DDP refuses ``device_ids`` for CPU modules   any           tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
+numerics          ``Trainer.train_step``                                      a NaN/Inf did not say its update; fairseq's          torch >= 2.0  tests/test_numerics.py::test_nan_loss_stops_training_with_the_update_number
+                                                                              NanDetector re-run died with ``StopIteration``; a                  tests/test_numerics.py::test_fp16_nan_loss_stops_training_with_the_update_number
+                                                                              CPU fp16 overflow crashed                                          tests/test_numerics.py::test_cpu_fp16_overflow_skips_the_update_instead_of_crashing
+                  ``Trainer.__init__``                                        ``--fp16`` without CUDA died deep inside fairseq     fairseq 0.12  tests/test_numerics.py::test_fp16_without_cuda_is_refused_with_a_clear_message
+mixed_precision   ``AMPOptimizer.step``                                       ``--amp`` unscaled every gradient twice              fairseq 0.12  tests/test_mixed_precision.py::test_amp_update_is_fp32_adams
+                  ``AMPOptimizer.__init__``                                   ``--amp --bf16``: no loss scaler, bf16 autocast      fairseq 0.12  tests/test_mixed_precision.py::test_amp_bf16_has_no_loss_scaler_and_records_its_dtype
+                  ``options.parse_args_and_arch``                             ``--bf16`` implied ``--tpu`` without torch_xla       fairseq 0.12  tests/test_mixed_precision.py::test_bf16_means_a_tpu_only_where_torch_xla_is_installed
+                  ``Trainer.__init__``                                        ``--amp --bf16`` cast the weights to bf16            fairseq 0.12  tests/test_mixed_precision.py::test_fairseq_train_in_bf16_on_the_cpu
+                  ``FairseqTask.train_step``                                  ``--amp`` autocast only CUDA, only to float16        fairseq 0.12  tests/test_mixed_precision.py::test_amp_bf16_runs_the_criterion_under_bf16_autocast_with_fp32_weights
+                  ``CheckpointFunction.forward``                              activation checkpointing recomputed outside the      fairseq 0.12  tests/test_mixed_precision.py::test_checkpointed_layers_recompute_under_the_forward_autocast
+                                                                              forward's autocast
+attention         ``MultiheadAttention.forward``                              mask tensors ruled out flash attention in the        torch >= 2.0  tests/test_attention.py::test_causal_self_attention_is_exact_at_every_unpadded_position
+                                                                              decoder; cross-attention skipped SDPA                              tests/test_attention.py::test_encoder_decoder_attention_takes_the_sdpa_path_with_fairseqs_numbers
+                  ``TransformerModelBase.build_model``                        marks the decoder self-attentions (and the padding   fairseq 0.12  tests/test_attention.py::test_left_padded_targets_keep_the_masks
+                                                                              side) for the ``forward`` above                                    tests/test_attention.py::test_mask_passed_to_sdpa_per_call_site
+ewa_trainer       ``Trainer.train_step``,                                     EWA averages after every optimizer step; fairseq     fairseq 0.12  tests/test_ewa.py::test_hook_runs_only_on_real_steps
+                  ``Trainer.set_num_updates``                                 has no after-step hook                                             tests/test_ewa.py::test_fairseq_train_averages_after_every_update_in_half_precision
+================  ==========================================================  ===================================================  ============  =================================================================================================
 
-Order: the modules are installed in the order of :data:`MODULES`. Only ``Trainer.train_step`` is
+Order: the modules are installed in the order of :data:`MODULES`. ``Trainer.__init__`` is wrapped
+by numerics, then mixed_precision, and ``options.parse_args_and_arch`` by help_flags, then
+mixed_precision; the wrappers of each pair look at different flags. ``Trainer.train_step`` is
 wrapped twice: numerics first (inner), then ewa_trainer (outer), as before this package existed.
 Either order gives the same training (the EWA flag only has to be set while fairseq's
 ``train_step`` runs, and is cleared in a ``finally`` whatever numerics raises or skips); the order
