@@ -77,12 +77,51 @@ def criterion_for_arch(arch: str) -> str:
     return "label_smoothed_cross_entropy"
 
 
-def gpu_precision_for_arch(arch: str) -> str:
-    """fairseq's mixed-precision flag on GPUs. Multi-path models take ``--amp`` (fp32 weights,
-    fp16 arithmetic): under ``--fp16`` (fp16 weights and gradients) the gradients of their path
-    and residual weights overflow at a loss scale the stock model takes (docs/fidelity.md,
-    'Architecture and GPU-scale numerics'). Both are mixed-precision training with loss scaling."""
-    return "--amp" if arch.startswith("multipath") else "--fp16"
+# train.sh's --precision: fairseq's flags for each. bf16 and fp16 are both autocast over fp32
+# weights (--amp): every arch trains the same way, and multi-path's path and residual weights
+# keep fp32 gradients, which overflow in fp16 at loss scales the stock model takes
+# (docs/fidelity.md, 'Architecture and GPU-scale numerics'). bf16 needs no loss scaling;
+# docs/gpu.md says why autocast rather than fairseq's all-bf16 --bf16.
+PRECISIONS = {
+    "bf16": ["--amp", "--bf16"],
+    "fp16": ["--amp"],
+    "fp32": [],
+}
+PRECISION_NOTES = {
+    "bf16": "bfloat16 autocast, fp32 weights, no loss scaling",
+    "fp16": "float16 autocast, fp32 weights, dynamic loss scaling",
+    "fp32": "float32",
+}
+
+
+def gpu_supports_bf16() -> bool:
+    """``MULTIPATH_NMT_BF16`` (1 or 0) if set, else whether the first CUDA GPU computes in
+    bfloat16 natively (Ampere and later)."""
+    value = os.environ.get("MULTIPATH_NMT_BF16")
+    if value is not None:
+        if value not in ("0", "1"):
+            raise RecipeError(f"MULTIPATH_NMT_BF16 must be 0 or 1, got '{value}'")
+        return value == "1"
+    import torch
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def choose_precision(choice: str, gpus: int, bf16: Optional[bool] = None) -> str:
+    """train.sh's ``--precision`` (auto, bf16, fp16, fp32) -> the precision trained in, the same
+    for every arch: ``auto`` is bf16 on GPUs that have it, fp16 on older GPUs, fp32 on the CPU.
+    ``bf16``: whether the GPUs have bfloat16 (default: :func:`gpu_supports_bf16`)."""
+    if choice not in ("auto", *PRECISIONS):
+        raise RecipeError(f"--precision must be auto, bf16, fp16 or fp32, got {choice!r}")
+    if gpus and choice in ("auto", "bf16"):
+        bf16 = gpu_supports_bf16() if bf16 is None else bf16
+        if choice == "bf16" and not bf16:
+            raise RecipeError("--precision bf16: this GPU has no native bfloat16 (it needs "
+                              "compute capability 8.0 or later); use --precision fp16")
+        return "bf16" if bf16 else "fp16"
+    if not gpus and choice == "fp16":
+        raise RecipeError("--precision fp16 needs a CUDA GPU (its loss scaler and float16 "
+                          "autocast are CUDA's); on the CPU use --precision bf16 or fp32")
+    return "fp32" if choice == "auto" else choice
 
 
 @dataclass(frozen=True)
@@ -233,7 +272,7 @@ class Command:
 
 # train.sh's own flags (the batch and the embeddings): read here, not passed on to fairseq.
 TRAIN_SH_FLAGS = {"--max-tokens": "max_tokens", "--batch-tokens": "batch_tokens",
-                  "--embeddings": "embeddings"}
+                  "--embeddings": "embeddings", "--precision": "precision"}
 # fairseq-train's flags that the recipe reads too: passed on unchanged.
 READ_FAIRSEQ_FLAGS = {"--update-freq": "update_freq", "--source-lang": "source_lang",
                       "-s": "source_lang", "--target-lang": "target_lang", "-t": "target_lang"}
@@ -268,12 +307,13 @@ def _train_arguments(args: Sequence[str]) -> Tuple[str, dict, List[str]]:
 
 
 def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] = None,
-                  python: str = sys.executable) -> Command:
+                  python: str = sys.executable, bf16: Optional[bool] = None) -> Command:
     """fairseq-train's command line with the paper's recipe, for train.sh's arguments ``args``:
-    ``--arch ARCH``, train.sh's own ``--max-tokens N`` (a cap), ``--batch-tokens N`` and
-    ``--embeddings auto|shared|separate``, and fairseq-train arguments, which come after the
-    recipe and so override it. ``gpus`` (default: :func:`gpu_count`): the command trains on that
-    many GPUs in mixed precision, or on the CPU in fp32 when it is 0."""
+    ``--arch ARCH``, train.sh's own ``--max-tokens N`` (a cap), ``--batch-tokens N``,
+    ``--embeddings auto|shared|separate`` and ``--precision auto|bf16|fp16|fp32``, and
+    fairseq-train arguments, which come after the recipe and so override it. ``gpus`` (default:
+    :func:`gpu_count`): the command trains on that many GPUs, or on the CPU when it is 0, in the
+    precision :func:`choose_precision` picks (``bf16``: whether the GPUs have bfloat16)."""
     arch, options, passed_on = _train_arguments(args)
     if not arch:
         raise RecipeError("--arch ARCH is required (e.g. transformer_prenorm_wmt_en_de, "
@@ -286,13 +326,15 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
     plan = batch_plan(recipe, gpus, _positive_int("max-tokens", options.get("max_tokens")),
                       _positive_int("--batch-tokens", options.get("batch_tokens")),
                       _positive_int("--update-freq", options.get("update_freq")))
+    precision = choose_precision(options.get("precision", "auto"), gpus, bf16)
+    flags = PRECISIONS[precision]
+    described = f"{PRECISION_NOTES[precision]}{': ' if flags else ''}{' '.join(flags)}"
     if gpus:
-        precision = gpu_precision_for_arch(arch)
-        device = [precision, "--distributed-world-size", str(gpus)]
-        notes = [f"{gpus} GPU(s), mixed precision ({precision})"]
+        device = [*flags, "--distributed-world-size", str(gpus)]
+        notes = [f"{gpus} GPU(s), precision {precision} ({described}), the same for every arch"]
     else:
-        device = ["--cpu"]
-        notes = ["no CUDA device found, training in fp32 on the CPU (--cpu, no --fp16)"]
+        device = [*flags, "--cpu"]
+        notes = [f"no CUDA device found, training in {precision} on the CPU ({described})"]
     shared = ("all shared (joined dictionary)" if sharing else
               "nothing shared (encoder input, decoder input, output projection)")
     notes += [f"{recipe.name} recipe for {arch}: lr {recipe.lr}, {recipe.warmup_updates} warmup "

@@ -4,9 +4,9 @@ translation files of translate.sh (the command lines are tested through train.sh
 --dry-run)."""
 import pytest
 
-from multipath_nmt.recipe import (BASE, DEEP, RecipeError, batch_plan, criterion_for_arch,
-                                  dictionary_files, embedding_sharing, finish_translation,
-                                  gpu_precision_for_arch, recipe_for_arch)
+from multipath_nmt.recipe import (BASE, DEEP, PRECISIONS, RecipeError, batch_plan,
+                                  choose_precision, criterion_for_arch, dictionary_files,
+                                  embedding_sharing, finish_translation, recipe_for_arch)
 from conftest import dictionaries_only_data_bin
 
 
@@ -31,16 +31,31 @@ def test_recipe_and_criterion_per_arch(arch, recipe, criterion):
     assert recipe_for_arch(arch) is recipe and criterion_for_arch(arch) == criterion
 
 
-@pytest.mark.parametrize("arch,precision", [
-    ("multipath_transformer_wmt_en_de", "--amp"),
-    ("multipath_l12_p2_wmt_en_de", "--amp"),
-    ("transformer_prenorm_wmt_en_de", "--fp16"),
-    ("transformer_deep24_wmt_en_de", "--fp16"),
-    ("widenet_transformer_wmt_en_de", "--fp16"),
-    ("ewa_transformer_wmt_en_de", "--fp16"),
+@pytest.mark.parametrize("choice,gpus,bf16,precision", [
+    ("auto", 8, True, "bf16"),    # Ampere and later
+    ("auto", 8, False, "fp16"),   # Volta, Turing
+    ("auto", 0, None, "fp32"),    # the CPU
+    ("bf16", 0, None, "bf16"),    # bfloat16 autocast runs on the CPU too
+    ("fp32", 8, True, "fp32"),
+    ("fp16", 1, True, "fp16"),
 ])
-def test_gpu_precision_per_arch(arch, precision):
-    assert gpu_precision_for_arch(arch) == precision
+def test_one_precision_for_every_arch(choice, gpus, bf16, precision):
+    assert choose_precision(choice, gpus, bf16) == precision
+    assert PRECISIONS[precision] == {"bf16": ["--amp", "--bf16"], "fp16": ["--amp"],
+                                     "fp32": []}[precision]
+
+
+@pytest.mark.parametrize("choice,gpus,bf16,message", [
+    ("fp16", 0, None, "--precision fp16 needs a CUDA GPU (its loss scaler and float16 autocast "
+                      "are CUDA's); on the CPU use --precision bf16 or fp32"),
+    ("bf16", 2, False, "--precision bf16: this GPU has no native bfloat16 (it needs compute "
+                       "capability 8.0 or later); use --precision fp16"),
+    ("half", 0, None, "--precision must be auto, bf16, fp16 or fp32, got 'half'"),
+])
+def test_precisions_that_cannot_run_are_refused(choice, gpus, bf16, message):
+    with pytest.raises(RecipeError) as error:
+        choose_precision(choice, gpus, bf16)
+    assert str(error.value) == message
 
 
 # (GPUs, max-tokens, update-freq), computed by hand from max-tokens x GPUs x update-freq = global.

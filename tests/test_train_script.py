@@ -86,13 +86,46 @@ def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, 
             f"update-freq = {total:,} tokens per update (the paper's {total // 8:,}, read as per GPU, x 8 "
             f"GPUs)") in proc.stdout
     assert (flags["--lr"], flags["--warmup-updates"]) == (("0.002", "16000") if deep else ("0.001", "8000"))
-    # multi-path models train with --amp (fp32 alpha/beta gradients), the others with --fp16
-    precision, other = ("--amp", "--fp16") if arch.startswith("multipath") else ("--fp16", "--amp")
-    assert flags[precision] is True and other not in flags and "--cpu" not in flags
-    assert f"train.sh: {gpus} GPU(s), mixed precision ({precision})" in proc.stdout
+    # every arch: fp16 autocast over fp32 weights on a GPU without bfloat16 (the default here:
+    # torch sees no GPU; MULTIPATH_NMT_BF16 unset)
+    assert flags["--amp"] is True and "--fp16" not in flags and "--bf16" not in flags
+    assert "--cpu" not in flags
+    assert (f"train.sh: {gpus} GPU(s), precision fp16 (float16 autocast, fp32 weights, dynamic "
+            "loss scaling: --amp), the same for every arch") in proc.stdout
     assert flags["--distributed-world-size"] == gpus
     moe = arch.startswith("widenet")
     assert flags["--criterion"] == ("label_smoothed_cross_entropy_with_moe" if moe else "label_smoothed_cross_entropy")
+
+
+PRECISION_WORDS = ("--amp", "--bf16", "--fp16", "--memory-efficient-fp16", "--cpu")
+
+
+@pytest.mark.parametrize("gpus,bf16,args,expected", [
+    ("4", "1", [], ["--amp", "--bf16"]),
+    ("4", "0", [], ["--amp"]),
+    ("1", "1", ["--precision", "fp16"], ["--amp"]),
+    ("1", "1", ["--precision=fp32"], []),
+    ("0", None, [], ["--cpu"]),
+    ("0", None, ["--precision", "bf16"], ["--amp", "--bf16", "--cpu"]),
+])
+def test_multipath_and_deep_archs_get_the_same_precision_flags(fake_data_bin, gpus, bf16, args,
+                                                                expected):
+    """The comparison this project exists for: one precision for every system on a machine."""
+    env = {} if bf16 is None else {"MULTIPATH_NMT_BF16": bf16}
+    for arch in ("multipath_l6_p4_wmt_en_de", "transformer_deep24_wmt_en_de",
+                 "transformer_prenorm_wmt_en_de", "ewa_transformer_wmt_en_de"):
+        words, _ = _flags(_dry_run(fake_data_bin, "--arch", arch, *args, gpus=gpus, **env))
+        assert [w for w in words if w in PRECISION_WORDS] == expected, arch
+        assert "--precision" not in words  # train.sh's own flag
+
+
+def test_fp16_on_the_cpu_is_refused_in_one_line(fake_data_bin):
+    proc = _dry_run(fake_data_bin, "--arch", "multipath_transformer_wmt_en_de", "--precision",
+                    "fp16", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("train.sh: error: --precision fp16 needs a CUDA GPU (its loss "
+                                   "scaler and float16 autocast are CUDA's); on the CPU use "
+                                   "--precision bf16 or fp32")
 
 
 @pytest.mark.parametrize("arch,message", [
