@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Train with the paper's recipe on fairseq-train and the multipath_nmt plug-in.
 #   scripts/train.sh DATA_BIN SAVE_DIR --arch ARCH [--batch-tokens N] [--max-tokens N]
-#                    [--embeddings auto|shared|separate] [--dry-run] [fairseq-train args...]
+#                    [--embeddings auto|shared|separate] [--precision auto|bf16|fp16|fp32]
+#                    [--dry-run] [fairseq-train args...]
 #
 # Recipe (multipath_nmt/recipe.py; docs/fidelity.md traces each item to the paper): Adam
 # (0.9, 0.997) as --optimizer adam_fused (fairseq's Adam update in one fused kernel),
-# inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), mixed precision on CUDA
-# (--amp for multi-path models, --fp16 for the others: recipe.py says why).
+# inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), and one precision for every
+# arch (--precision auto: --amp --bf16 on GPUs with bfloat16, --amp on older GPUs, fp32 on the
+# CPU; --precision bf16|fp16|fp32 to choose; docs/gpu.md says why).
 #   base (transformer_prenorm/transformer/wide):  lr 0.001, 8000 warmup,  32,768 tokens per update
 #   deep/multi-path/WideNet/EWA/ParameterNet/MoE:  lr 0.002, 16000 warmup, 65,536 tokens per update
 # Tokens per update = max-tokens x GPUs x update-freq: the paper's 4,096 / 8,192 tokens, read
@@ -22,7 +24,7 @@
 # last occurrence of a flag), e.g. --max-update 100000, --max-epoch 40, --lr 0.0007.
 #
 # Environment: MAX_TOKENS (or --max-tokens N) caps max-tokens; MULTIPATH_NMT_NUM_GPUS overrides
-# the detected GPU count (0 = CPU); PYTHON selects the interpreter with multipath_nmt installed
+# the detected GPU count (0 = CPU); MULTIPATH_NMT_BF16=0|1 whether the GPUs have bfloat16; PYTHON selects the interpreter with multipath_nmt installed
 # (default: python). --dry-run prints the command only.
 set -euo pipefail
 if [ $# -lt 2 ]; then
