@@ -307,8 +307,8 @@ def resolve_flags(systems: Sequence[System], dict_size: int) -> Dict[str, List[s
 
 # Each training and decoding process uses one device: the CPU, or one GPU (the first visible one;
 # CUDA_VISIBLE_DEVICES selects it), so the batch is the study's 2,048 tokens per update on any
-# machine. On the GPU the recipe trains in half precision (--amp for multi-path models, --fp16 for
-# the others) and decodes in --fp16.
+# machine. On the GPU the recipe trains every system in the same mixed precision (--amp --bf16
+# where the GPU has bfloat16, else --amp) and decodes in --fp16.
 DEVICE_GPUS = {"cpu": 0, "cuda": 1}
 
 
@@ -1137,9 +1137,10 @@ def build_parser():
     parser.add_argument("--seeds", type=_positive_int, default=1,
                         help="runs per system with seeds 1..N; the table shows mean and spread")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="cuda: train and decode in half precision (train.sh's --fp16 or, for "
-                             "multi-path models, --amp) on one GPU (the first visible "
-                             "one); auto (default): cuda when torch sees a GPU, else cpu")
+                        help="cuda: train in train.sh's mixed precision (--amp --bf16 where the "
+                             "GPU has bfloat16, else --amp; the same for every system) and "
+                             "decode in fp16 on one GPU (the first visible one); auto "
+                             "(default): cuda when torch sees a GPU, else cpu")
     parser.add_argument("--parallel", type=_positive_int, default=1,
                         help="runs (training, averaging, decoding) at a time on the GPU "
                              "(default 1; the CPU runs one at a time)")
