@@ -9,8 +9,8 @@
 # inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), and one precision for every
 # arch (--precision auto: --amp --bf16 on GPUs with bfloat16, --amp on older GPUs, fp32 on the
 # CPU; --precision bf16|fp16|fp32 to choose; docs/gpu.md says why).
-#   base (transformer_prenorm/transformer/wide):  lr 0.001, 8000 warmup,  32,768 tokens per update
-#   deep/multi-path/WideNet/EWA/ParameterNet/MoE:  lr 0.002, 16000 warmup, 65,536 tokens per update
+#   base (transformer_prenorm/transformer):  lr 0.001, 8000 warmup,  32,768 tokens per update
+#   deep/multi-path/wide/WideNet/EWA/ParameterNet/MoE:  lr 0.002, 16000 warmup, 65,536 tokens per update
 # Tokens per update = max-tokens x GPUs x update-freq: the paper's 4,096 / 8,192 tokens, read
 # as per GPU (docs/fidelity.md), on 8 GPUs, kept exactly on any GPU count that divides it
 # (max-tokens, default 4096, is a cap, lowered where needed; e.g. 3 GPUs are refused with a
