@@ -142,7 +142,7 @@ def _load_fp32_experts(module, state_dict, prefix, local_metadata, strict, missi
             module.fp32_experts[name] = copy.to(getattr(module, name).device, torch.float32)
 
 
-def uniform_partition(num_tokens, num_experts, padding=None):
+def uniform_partition(num_tokens, num_experts, padding=None, device=None):
     """A random uniform partition of the non-padding tokens among ``num_experts`` experts, with
     shapes that depend on ``num_tokens`` only (no host sync): returns (token at each position,
     expert of each position, slot of each position within its expert).
@@ -150,10 +150,15 @@ def uniform_partition(num_tokens, num_experts, padding=None):
     Positions are dealt round-robin (expert = position % E), the non-padding tokens first in a
     uniformly random order, so the experts' shares of them differ by at most one; the padding
     tokens (``padding`` [num_tokens] bool, True = padding) fill the last positions.
-    Drawn from the global torch RNG, which fairseq reseeds with seed + num_updates before every
-    training step, so a resumed run draws the same partitions as an uninterrupted one.
+    The partition is made on ``device``, which must be the tokens' (``padding``'s when it is
+    given; None: the default device): a partition made on the CPU would meet GPU tokens in the
+    dispatch (tests/test_device_semantics.py).
+    Drawn from the global torch RNG of that device, which fairseq reseeds with seed + num_updates
+    before every training step, so a resumed run draws the same partitions as an uninterrupted
+    one.
     """
-    device = None if padding is None else padding.device
+    if padding is not None:
+        device = padding.device
     order = torch.randperm(num_tokens, device=device)
     if padding is not None:
         order = order[padding[order].argsort(stable=True)]  # a stable sort keeps the order random
@@ -223,7 +228,8 @@ class EWAFeedForward(ExpertsWeightsAveraging, nn.Module):
             weights = rows.new_ones(num_tokens, 1)
         else:
             weights = tokens.valid.unsqueeze(1).to(rows.dtype)
-        order, expert, slot = uniform_partition(num_tokens, self.num_experts, padding)
+        order, expert, slot = uniform_partition(num_tokens, self.num_experts, padding,
+                                                 device=rows.device)
         capacity = max(1, math.ceil(num_tokens / self.num_experts))
         plan = SlotPlan.build(num_tokens, 1, self.num_experts * capacity, order,
                               expert * capacity + slot)
