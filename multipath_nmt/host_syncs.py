@@ -25,8 +25,17 @@ keep on the host: tensors made by a factory (``torch.tensor``, ``torch.arange``,
   result counts as a device tensor.
 - ``one_hot`` with ``num_classes`` counts nothing: its CPU kernel checks the class range with
   ``.item()``, its CUDA kernel relies on device asserts. Without ``num_classes`` it counts once.
-- Host-to-device copies are not seen there (they are no-ops on the CPU); on a real device every
-  blocking copy between the host and the device counts.
+- Host-to-device copies by a factory count: ``torch.tensor``, ``torch.as_tensor``,
+  ``torch.asarray`` of host data (Python numbers or sequences, NumPy arrays, host tensors) with
+  a ``device`` other than the string "cpu" (a ``torch.device``, as ``x.device``, stands for the
+  device), and ``x.new_tensor(data)`` of a device tensor x. On a GPU such a call makes a
+  blocking copy from pageable host memory, which waits for the stream. These factories copy
+  below PyTorch's Python dispatch, so no dispatch mode sees the copy, not even on a GPU; they
+  are counted by name ("torch.tensor (host to device)"). ``x.new_full``, ``torch.full`` and
+  ``torch.arange`` make their values on the device and count nothing. ``.to(device)`` of a
+  host tensor is not counted here (see above).
+- On a real device every other blocking copy between the host and the device counts (the
+  dispatcher sees it: ``aten._to_copy``, ``aten.copy_``).
 """
 import os
 import traceback
@@ -46,6 +55,9 @@ _NOT_COUNTED = {aten.item.default}
 _BOOL_DTYPES = (torch.bool, torch.uint8)
 _DEVICE_TO_HOST_METHODS = {torch.Tensor.cpu: "Tensor.cpu", torch.Tensor.numpy: "Tensor.numpy",
                            torch.Tensor.tolist: "Tensor.tolist"}
+# Factories that copy their data argument, made on the host, to their ``device``.
+_COPYING_FACTORIES = {torch.tensor: "torch.tensor", torch.as_tensor: "torch.as_tensor",
+                      torch.asarray: "torch.asarray"}
 
 
 def _op_name(func) -> str:
@@ -136,6 +148,9 @@ class _HostSyncFunctionMode(TorchFunctionMode):
                 return func(*args, **kwargs)
             finally:
                 counter._ignore_scalar_reads -= 1
+        copy = self._host_to_device_copy(func, args, kwargs)
+        if copy is not None:
+            counter._record(f"{copy} (host to device)")
         to_host = None
         if func in _DEVICE_TO_HOST_METHODS:
             to_host = _DEVICE_TO_HOST_METHODS[func]
@@ -155,6 +170,36 @@ class _HostSyncFunctionMode(TorchFunctionMode):
                 kwargs.get("device") is None or _is_cpu_string(kwargs["device"]))):
             counter._mark_host(result)
         return result
+
+
+    def _host_to_device_copy(self, func, args, kwargs) -> Optional[str]:
+        """The factory's name if this call copies host data to a device (module docstring)."""
+        if func is torch.Tensor.new_tensor:
+            target, data = args[0], (args[1] if len(args) > 1 else kwargs.get("data"))
+            device = kwargs.get("device")
+            if device is None:
+                if self.counter._is_host(target):
+                    return None
+                device = target.device
+            name = "Tensor.new_tensor"
+        elif func in _COPYING_FACTORIES:
+            data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+            device = kwargs.get("device")
+            if device is None:
+                return None
+            name = _COPYING_FACTORIES[func]
+        else:
+            return None
+        device_type = device.type if isinstance(device, torch.device) else (
+            device.split(":")[0] if isinstance(device, str) else "cuda")  # an int: a GPU index
+        if device_type == "meta" or (isinstance(device, str) and device_type == "cpu"):
+            return None
+        if isinstance(data, torch.Tensor):
+            # a tensor argument is copied above the dispatcher, which sees it on a real device;
+            # on the CPU, a host tensor moved to x.device stands for a host-to-device copy
+            if not self.counter._is_host(data) or device_type != "cpu":
+                return None
+        return name
 
 
 class HostSyncCounter(TorchDispatchMode):

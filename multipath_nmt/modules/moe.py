@@ -322,7 +322,9 @@ class TopKRouter(nn.Module):
         # so first choices come before second choices and earlier tokens before later ones.
         selected = F.one_hot(expert_index.t().reshape(-1), E)  # [k * S, E]
         if valid is None:
-            routed_tokens = torch.tensor(num_tokens, device=x.device)
+            # filled on the device: torch.tensor(num_tokens, device=...) would be a blocking
+            # host-to-device copy on a GPU
+            routed_tokens = torch.full((), num_tokens, dtype=torch.long, device=x.device)
         else:
             selected = selected * valid.repeat(k).unsqueeze(1)
             routed_tokens = valid.sum()
