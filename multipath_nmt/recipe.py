@@ -280,6 +280,48 @@ READ_FAIRSEQ_FLAGS = {"--update-freq": "update_freq", "--source-lang": "source_l
                       "-s": "source_lang", "--target-lang": "target_lang", "-t": "target_lang"}
 _VALUE_FLAGS = ("--arch", "-a", *TRAIN_SH_FLAGS, *READ_FAIRSEQ_FLAGS)
 _LENGTH_FLAGS = ("--max-update", "--max-epoch", "--stop-time-hours")
+# The training length when train.sh is given none, in epochs: every system then sees the same data
+# whatever its batch (base 32,768 tokens per update, deep and multi-path 65,536), and the final
+# model is an epoch checkpoint, so average.sh's mean of the last epoch checkpoints ends with it.
+# 20 is what the authors' group's deep-model scripts train; the paper gives no length.
+RECIPE_EPOCHS = 20
+# Attention and activation (ReLU) dropout of the authors' group's pre-norm deep scripts, the same
+# evidence as the per-GPU batch; fairseq's architectures default to 0 (docs/fidelity.md).
+RECIPE_DROPOUT = ["--attention-dropout", "0.1", "--activation-dropout", "0.1"]
+
+
+def _given_lengths(passed_on: Sequence[str]) -> dict:
+    """The length flags among fairseq-train's arguments, with their values."""
+    given = {}
+    for index, word in enumerate(passed_on):
+        name, equals, value = word.partition("=")
+        if name in _LENGTH_FLAGS:
+            given[name] = value if equals else passed_on[index + 1]
+    return given
+
+
+def training_length(arch: str, passed_on: Sequence[str]) -> Tuple[List[str], str]:
+    """The length flags to add (the recipe's ``--max-epoch 20`` when none is given) and the line
+    train.sh prints about the length."""
+    given = _given_lengths(passed_on)
+    if "--max-epoch" in given:
+        return [], f"length: {given['--max-epoch']} epochs (--max-epoch, given)"
+    if "--max-update" in given:
+        return [], (f"length: {given['--max-update']} updates (--max-update, given): systems with "
+                    "other batches see other amounts of data, and the updates after the last "
+                    "full epoch are in checkpoint_last.pt only, not in average.sh's mean of "
+                    "epoch checkpoints (--max-epoch avoids both)")
+    if "--stop-time-hours" in given:
+        return [], f"length: {given['--stop-time-hours']} hours (--stop-time-hours, given)"
+    if arch.startswith("ewa") and "constant" not in passed_on and \
+            "--ewa-schedule=constant" not in passed_on:
+        raise RecipeError(f"{arch}: EWA's share rate rises over --max-update updates; give "
+                          f"--max-update N (or --ewa-schedule constant to train the recipe's "
+                          f"{RECIPE_EPOCHS} epochs)")
+    return (["--max-epoch", str(RECIPE_EPOCHS)],
+            f"length: {RECIPE_EPOCHS} epochs (--max-epoch {RECIPE_EPOCHS}, the recipe's): the same "
+            "data for every system, and the final model is the last epoch checkpoint, which "
+            "average.sh's mean ends with")
 
 
 def _train_arguments(args: Sequence[str]) -> Tuple[str, dict, List[str]]:
@@ -343,17 +385,17 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
               f"updates",
               f"batch: {plan.arithmetic()}",
               f"embeddings: {shared} for {', '.join(d.name for d in dictionaries)}"]
-    if not any(word.startswith(_LENGTH_FLAGS) for word in passed_on):
-        notes.append("note: no --max-update, --max-epoch or --stop-time-hours: fairseq trains "
-                     "until stopped (the paper gives no length)")
+    length, length_note = training_length(arch, passed_on)
+    notes.append(length_note)
     argv = [python, "-m", "fairseq_cli.train", str(data_bin), "--user-dir", USER_DIR,
             "--arch", arch, *sharing,
             "--optimizer", "adam_fused", "--adam-betas", "(0.9, 0.997)", "--clip-norm", "0.0",
             "--lr", recipe.lr, "--lr-scheduler", "inverse_sqrt",
             "--warmup-updates", str(recipe.warmup_updates), "--warmup-init-lr", "1e-07",
             "--criterion", criterion_for_arch(arch), "--label-smoothing", "0.1",
+            *RECIPE_DROPOUT,
             "--max-tokens", str(plan.max_tokens), "--update-freq", str(plan.update_freq),
-            "--save-dir", str(save_dir), "--keep-last-epochs", "10",
+            "--save-dir", str(save_dir), "--keep-last-epochs", "10", *length,
             *device, *passed_on]
     return Command(argv, notes)
 

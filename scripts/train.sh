@@ -6,7 +6,9 @@
 #
 # Recipe (multipath_nmt/recipe.py; docs/fidelity.md traces each item to the paper): Adam
 # (0.9, 0.997) as --optimizer adam_fused (fairseq's Adam update in one fused kernel),
-# inverse_sqrt, label smoothing 0.1, epoch checkpoints (last 10 kept), and one precision for every
+# inverse_sqrt, label smoothing 0.1, attention and activation dropout 0.1, 20 epochs (--max-epoch 20
+# unless --max-epoch, --max-update or --stop-time-hours is given; EWA archs need --max-update),
+# epoch checkpoints (last 10 kept), and one precision for every
 # arch (--precision auto: --amp --bf16 on GPUs with bfloat16, --amp on older GPUs, fp32 on the
 # CPU; --precision bf16|fp16|fp32 to choose; docs/gpu.md says why).
 #   base (transformer_prenorm/transformer):  lr 0.001, 8000 warmup,  32,768 tokens per update
@@ -21,7 +23,7 @@
 # shared for En-Fr (Table 3's sizes) or when the source and target dictionaries differ.
 # WideNet/EWA/ParameterNet/MoE archs use label_smoothed_cross_entropy_with_moe.
 # Every extra argument is passed on after the recipe, so it overrides it (fairseq keeps the
-# last occurrence of a flag), e.g. --max-update 100000, --max-epoch 40, --lr 0.0007.
+# last occurrence of a flag), e.g. --max-epoch 40, --lr 0.0007.
 #
 # Environment: MAX_TOKENS (or --max-tokens N) caps max-tokens; MULTIPATH_NMT_NUM_GPUS overrides
 # the detected GPU count (0 = CPU); MULTIPATH_NMT_BF16=0|1 whether the GPUs have bfloat16; PYTHON selects the interpreter with multipath_nmt installed

@@ -58,9 +58,38 @@ def test_base_recipe_on_cpu(fake_data_bin):
     assert flags["--share-all-embeddings"] is True and flags["--cpu"] is True
     assert "--fp16" not in flags and flags["--keep-last-epochs"] == "10"
     assert not (fake_data_bin / "save").exists()  # --dry-run runs nothing
-    assert "train.sh: note: no --max-update, --max-epoch or --stop-time-hours" in proc.stdout
+    # the authors' group's pre-norm deep scripts' dropout
+    assert (flags["--attention-dropout"], flags["--activation-dropout"]) == ("0.1", "0.1")
+    # one length rule: 20 epochs unless told otherwise
+    assert flags["--max-epoch"] == "20" and "--max-update" not in flags
+    assert ("train.sh: length: 20 epochs (--max-epoch 20, the recipe's): the same data for every "
+            "system, and the final model is the last epoch checkpoint, which average.sh's mean "
+            "ends with") in proc.stdout
     proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", "--max-update=100")
-    assert "train.sh: note:" not in proc.stdout
+    assert "train.sh: note:" not in proc.stdout and "--max-epoch" not in _flags(proc)[1]
+    assert "train.sh: length: 100 updates (--max-update, given): systems with other" in proc.stdout
+
+
+@pytest.mark.parametrize("args,flags,line", [
+    (["--max-epoch", "7"], {"--max-epoch": "7"}, "length: 7 epochs (--max-epoch, given)"),
+    (["--stop-time-hours", "2"], {"--stop-time-hours": "2"},
+     "length: 2 hours (--stop-time-hours, given)"),
+])
+def test_a_given_length_replaces_the_recipes(fake_data_bin, args, flags, line):
+    proc = _dry_run(fake_data_bin, "--arch", "multipath_transformer_wmt_en_de", *args)
+    _, printed = _flags(proc)
+    assert {k: printed.get(k) for k in flags} == flags and printed.get("--max-update") is None
+    assert f"train.sh: {line}" in proc.stdout
+
+
+def test_ewa_needs_a_number_of_updates_for_its_schedule(fake_data_bin):
+    proc = _dry_run(fake_data_bin, "--arch", "ewa_transformer_wmt_en_de", check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "train.sh: error: ewa_transformer_wmt_en_de: EWA's share rate rises over --max-update "
+        "updates; give --max-update N (or --ewa-schedule constant to train the recipe's 20 epochs)")
+    _, flags = _flags(_dry_run(fake_data_bin, "--arch", "ewa_transformer_wmt_en_de",
+                               "--ewa-schedule", "constant"))
+    assert flags["--max-epoch"] == "20"
 
 
 # The printed command gives max-tokens x GPUs x update-freq = 32,768 (base) / 65,536 (deep and
@@ -114,7 +143,8 @@ def test_multipath_and_deep_archs_get_the_same_precision_flags(fake_data_bin, gp
     env = {} if bf16 is None else {"MULTIPATH_NMT_BF16": bf16}
     for arch in ("multipath_l6_p4_wmt_en_de", "transformer_deep24_wmt_en_de",
                  "transformer_prenorm_wmt_en_de", "ewa_transformer_wmt_en_de"):
-        words, _ = _flags(_dry_run(fake_data_bin, "--arch", arch, *args, gpus=gpus, **env))
+        words, _ = _flags(_dry_run(fake_data_bin, "--arch", arch, *args, "--max-update", "9",
+                                   gpus=gpus, **env))
         assert [w for w in words if w in PRECISION_WORDS] == expected, arch
         assert "--precision" not in words  # train.sh's own flag
 
@@ -149,7 +179,8 @@ def test_three_gpus_are_refused_with_a_batch_that_works(fake_data_bin, arch, mes
     ("multipath_l6_p2_wmt_en_de", "0", [], "4096", "2"),                      # CPU: 8,192
     ("transformer_prenorm_wmt_en_de", "8", ["--batch-tokens", "65536"], "4096", "2"),
     ("transformer_deep12_wmt_en_de", "1", ["--batch-tokens=30000"], "3750", "8"),
-    ("ewa_transformer_wmt_en_de", "0", ["--batch-tokens", "65536"], "4096", "16"),
+    ("ewa_transformer_wmt_en_de", "0", ["--batch-tokens", "65536", "--max-update", "9"], "4096",
+     "16"),
     ("transformer_deep24_wmt_en_de", "2", ["--max-tokens", "3000"], "2048", "16"),
 ])
 def test_cpu_batch_batch_tokens_and_max_tokens_cap(fake_data_bin, arch, gpus, args, max_tokens, update_freq):
