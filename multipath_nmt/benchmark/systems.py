@@ -102,16 +102,33 @@ def use_loop_reference(model, args):
 def build_trainer(data_dir, flags, device, fp16, loop_reference=False):
     """fairseq's own parser, task, model, criterion and Trainer, as fairseq-train builds them
     (the archs are registered: importing this package imports ``multipath_nmt`` first)."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.trainer import Trainer
-
     extra = ["--cpu"] if device == "cpu" else []
     if fp16:
         extra.append("--fp16")
+    return _build([data_dir, "-s", "src", "-t", "tgt", *flags, *extra], loop_reference)
+
+
+def build_trainer_from_argv(argv, loop_reference=False):
+    """The Trainer and task of a whole fairseq-train command line: ``argv`` is what fairseq's
+    parser takes (``recipe.train_command(...).argv[3:]``: the data-bin, then the flags, device
+    and precision ones included), and the weights are seeded from its ``--seed`` before the model
+    is built, as fairseq-train seeds them, so two builds of one seed start from the same
+    weights."""
+    return _build(list(argv), loop_reference, seed=True)
+
+
+def _build(argv, loop_reference, seed=False):
+    import numpy as np
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [data_dir, "-s", "src", "-t", "tgt", *flags, *extra])
+    args = options.parse_args_and_arch(parser, argv)
     cfg = convert_namespace_to_omegaconf(args)
+    if seed:
+        np.random.seed(cfg.common.seed)
+        utils.set_torch_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     if loop_reference:
