@@ -1,5 +1,6 @@
-"""Every model family trains and decodes on a fake GPU: no tensor of the CPU meets one of the
-device, in fp32, fp16 and bf16, with and without source padding (issue 29).
+"""GPU semantics on the CPU (issue 29): every model family trains and decodes on a fake GPU (no
+tensor of the CPU meets one of the device, in fp32, fp16 and bf16, with and without source
+padding), and the custom backward passes sum half-precision gradients in fp32 (at the end).
 
 A GPU run fails where code makes a tensor without ``device=`` (it lands on the CPU) and then
 mixes it with the model's tensors; a CPU run cannot see that, every tensor being on the CPU.
@@ -37,6 +38,7 @@ How, on the CPU build of torch 2.13:
   gives them the shape as Python ints, the same numbers on the host, as a GPU run has them.
 """
 import contextlib
+import copy
 import json
 import os
 import subprocess
@@ -358,6 +360,117 @@ def test_the_harness_catches_a_cpu_tensor_on_the_device_and_a_value_dependent_sh
 @pytest.mark.parametrize("case", [case_id(*case) for case in CASES])
 def test_trains_and_decodes_on_a_fake_gpu(fake_gpu_results, case):
     assert fake_gpu_results[case] == "ok", fake_gpu_results[case]
+
+
+# --- half-precision sums in the custom backward passes -----------------------------------------
+# The autograd Functions of multipath_nmt/modules sum over many tokens (weight and bias gradients
+# of ParameterNet's mixed projection, PathNorm's parameters) or channels (the gate gradients of
+# the MoE combine). With fp16/bf16 operands those sums must accumulate in fp32 and round once at
+# the end: summed in half precision, small terms stop adding up once the running sum is about
+# 2^11 (fp16) or 2^8 (bf16) times larger than them. Each test feeds thousands of small positive
+# terms, checks the gradient against a float64 computation on the same half-precision inputs
+# to one rounding of the output dtype, and checks that the data would expose a half-precision
+# accumulation (summed term by term in that dtype, it misses a quarter of the mass or more).
+
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MANY = 8192
+
+
+def half_accumulated(terms, dtype):
+    """sum(terms) added one term at a time in ``dtype``: what a half-precision accumulator does."""
+    total = torch.zeros((), dtype=dtype)
+    for term in terms.to(dtype):
+        total = total + term
+    return total.double()
+
+
+def assert_one_rounding(actual, reference, dtype, terms):
+    """``actual`` within one rounding of ``dtype`` of the float64 ``reference``, and
+    ``terms`` (the summands of reference's first element) too many to sum in ``dtype``."""
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(actual.double(), reference.double(), rtol=eps, atol=0)
+    exact = terms.double().sum()
+    assert half_accumulated(terms, dtype) < 0.75 * exact, "the terms do not test accumulation"
+
+
+def positive(*shape, low=0.5, high=1.0, generator):
+    return torch.empty(*shape, dtype=torch.float64).uniform_(low, high, generator=generator)
+
+
+@pytest.mark.parametrize("name", list(HALF))
+def test_mixed_projection_sums_its_weight_and_bias_gradients_in_fp32(name):
+    """Dynamic ParameterNet's _MixedProjection: dW_i = sum_t alpha_ti x_t^T dy_t and
+    db_i = sum_t alpha_ti dy_t over 8,192 tokens, in fp16 and bf16."""
+    from multipath_nmt.modules.parameternet import _MixedProjection
+
+    dtype, generator = HALF[name], torch.Generator().manual_seed(0)
+    inputs = [positive(MANY, 3, generator=generator), positive(MANY, 2, generator=generator),
+              positive(3, 2, 4, generator=generator), positive(2, 4, generator=generator)]
+    grad = positive(MANY, 4, low=2 ** -8, high=2 ** -7, generator=generator)
+    half = [t.to(dtype).requires_grad_() for t in inputs]
+    exact = [t.to(dtype).double().requires_grad_() for t in inputs]
+    _MixedProjection.apply(*half).backward(grad.to(dtype))
+    _MixedProjection.apply(*exact).backward(grad.to(dtype).double())
+    x, alpha = exact[0].detach(), exact[1].detach()
+    dy = grad.to(dtype).double()
+    assert_one_rounding(half[2].grad, exact[2].grad, dtype, x[:, 0] * alpha[:, 0] * dy[:, 0])
+    assert_one_rounding(half[3].grad, exact[3].grad, dtype, alpha[:, 0] * dy[:, 0])
+
+
+@pytest.mark.parametrize("name", list(HALF))
+def test_moe_combine_and_dispatch_sum_their_gradients_in_fp32(name):
+    """SlotPlan's _Combine: the gradient of each gate is a dot product over 8,192 channels;
+    _Dispatch: each token's gradient sums its top-2 slots."""
+    from multipath_nmt.modules.moe import TopKRouter
+
+    dtype, generator = HALF[name], torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    router = TopKRouter(4, num_experts=4, k=2, capacity_factor=2.0, noise=False)
+    routing = router(torch.randn(16, 4))
+    assert routing.plan.kept.all()
+    slots = routing.num_experts * routing.capacity
+    output = positive(slots, MANY, generator=generator).to(dtype)
+    tokens = positive(16, MANY, generator=generator).to(dtype)
+    grad = positive(16, MANY, low=2 ** -8, high=2 ** -7, generator=generator).to(dtype)
+    results = {}
+    for kind, cast in (("half", lambda t: t.clone()), ("exact", torch.Tensor.double)):
+        rows = cast(output).requires_grad_()
+        gates = routing.gates.detach().requires_grad_()
+        combined = routing.plan.combine(rows, gates * routing.plan.kept)
+        inputs = cast(tokens).requires_grad_()
+        dispatched = routing.plan.dispatch(inputs)
+        (combined * cast(grad)).sum().backward()
+        dispatched.backward(cast(output))
+        results[kind] = gates.grad, inputs.grad
+    slot = routing.plan.slot_of_assignment[0]
+    assert_one_rounding(results["half"][0], results["exact"][0], dtype,
+                        output[slot].double() * grad[0].double())
+    torch.testing.assert_close(results["half"][1].double(), results["exact"][1],
+                               rtol=torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("name", list(HALF))
+def test_path_norm_sums_its_parameter_gradients_in_fp32(name):
+    """PathMixer's _NormalizedSum over half-precision paths: the gradients of alpha, gamma and
+    beta sum over 8,192 tokens in fp32 (the parameters' dtype), with cheap features."""
+    from multipath_nmt.modules.multipath import PathMixer
+
+    dtype, generator = HALF[name], torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    mixer = PathMixer(3, 8, cheap_features=True)
+    paths = torch.randn(3, MANY, 8, generator=generator).to(dtype)
+    grad = positive(MANY, 8, low=2 ** -8, high=2 ** -7, generator=generator)
+    exact = copy.deepcopy(mixer).double()
+    mixer.normalized_sum(paths).backward(grad.float())
+    exact.normalized_sum(paths.double()).backward(grad)
+    for name_, parameter in mixer.named_parameters():
+        reference = dict(exact.named_parameters())[name_].grad
+        if parameter.grad is not None:
+            # fp32 rounding of sums that cancel: a half-precision sum errs by 1e-3 of the terms
+            torch.testing.assert_close(parameter.grad.double(), reference, rtol=1e-4, atol=1e-4,
+                                       msg=name_)
+    # beta_f's gradient is alpha_f times the sum of the output gradient over the tokens
+    assert half_accumulated(grad[:, 0], dtype) < 0.75 * grad[:, 0].sum()
 
 
 if __name__ == "__main__":
