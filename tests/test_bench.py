@@ -98,6 +98,37 @@ def test_bench_refuses_fp16_on_cpu_and_unknown_systems(tmp_path):
     assert proc.returncode == 2 and "unknown system(s) ['nope']" in proc.stderr
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_bench_trains_in_train_shs_precision(precision, monkeypatch):
+    """--precision adds the recipe's flags to every system (bf16 and fp16 are autocast over
+    fp32 weights, --amp, as train.sh trains), not fairseq's all-fp16 --fp16."""
+    from multipath_nmt import recipe
+    from multipath_nmt.benchmark import harness
+
+    class Built(Exception):
+        pass
+
+    def build_trainer(data, flags, device, fp16, loop_reference=False):
+        raise Built(flags, fp16)
+
+    monkeypatch.setattr(harness, "build_trainer", build_trainer)
+    with pytest.raises(Built) as built:
+        harness.run("tiny", "cpu", precision, only=["stock prenorm L"], padded=True,
+                    log=lambda message: None)
+    flags, fp16 = built.value.args
+    expected = recipe.PRECISIONS[precision]
+    assert flags[len(flags) - len(expected):] == expected  # last: they win
+    assert not fp16 and "--fp16" not in flags
+
+
+def test_bench_precision_flags_are_checked_before_anything_runs():
+    bench = [sys.executable, "-m", "multipath_nmt.cli.bench"]
+    proc = run_cli([*bench, "--precision", "fp16"], check=False)
+    assert proc.returncode == 2 and "--precision fp16 needs --device cuda" in proc.stderr
+    proc = run_cli([*bench, "--fp16", "--precision", "bf16"], check=False)
+    assert proc.returncode == 2 and "--fp16 and --precision bf16 contradict" in proc.stderr
+
+
 def test_bench_refuses_cuda_without_a_gpu_in_one_line():
     import torch
 

@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from multipath_nmt import recipe
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches, synthetic_batch
 from multipath_nmt.benchmark.flops import (
     gemm_peak_flops,
@@ -28,11 +29,17 @@ from multipath_nmt.benchmark.timing import (
 )
 
 PADDED_BATCHES = 8  # the padded mode's batches per system, cycled through by every measurement
+# The dtype of the matrix products under each of train.sh's precisions (``recipe.PRECISIONS``:
+# bf16 and fp16 autocast over fp32 weights): the matmul peaks and the single layers run in it.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, padded=None,
+def run(size_name="default", device="cpu", precision="fp32", only=None, memory=True, padded=None,
         log=print):
     """Measure every system; returns the result dict that ``write_reports`` renders.
+
+    ``precision``: one of train.sh's (``recipe.PRECISIONS``); its fairseq flags are added to every
+    system's (bf16 and fp16 are autocast, ``--amp``, as train.sh trains).
 
     ``padded`` (the default on CUDA): train on padded, length-varied fairseq batches of about
     batch x length tokens instead of one full-length batch, and judge MFU against the best rate
@@ -41,7 +48,8 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, p
     size = SIZES[size_name]
     padded = device == "cuda" if padded is None else padded
     systems = [s for s in systems_for(size) if not only or s.name in only]
-    dtype = torch.float16 if fp16 else torch.float32
+    precision_flags = recipe.PRECISIONS[precision]
+    dtype = DTYPES[precision]
     heap_allocator = device == "cpu" and keep_freed_memory()
     if not padded:
         peak = matmul_peak_flops(device, dtype)
@@ -51,8 +59,8 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, p
     with fake_data_dir(size["vocab"]) as data:
         built = {}
         for system in systems:
-            flags = fairseq_flags(size, system)
-            trainer, task = build_trainer(data, flags, device, fp16, system.loop_reference)
+            flags = [*fairseq_flags(size, system), *precision_flags]
+            trainer, task = build_trainer(data, flags, device, False, system.loop_reference)
             if padded:
                 samples = padded_batches(task, trainer.model, size["batch"] * size["length"],
                                          PADDED_BATCHES, mean_length=size["length"])
@@ -120,10 +128,12 @@ def run(size_name="default", device="cpu", fp16=False, only=None, memory=True, p
     if memory:
         for system in systems:
             results[system.name]["peak_memory_mib"] = peak_memory_of_step(
-                fairseq_flags(size, system), size, device, fp16, system.loop_reference)
+                [*fairseq_flags(size, system), *precision_flags], size, device, False,
+                system.loop_reference)
     return {
         "size": size_name, "shape": size, "device": device,
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": str(dtype).replace("torch.", ""), "precision": precision,
+        "precision_flags": precision_flags,
         "machine": machine_description(device), "matmul_peak_flops": peak,
         "batches": (f"{PADDED_BATCHES} padded, length-varied batches of up to "
                     f"{size['batch'] * size['length']} tokens" if padded

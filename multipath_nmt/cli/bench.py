@@ -5,7 +5,7 @@ import logging
 import sys
 import warnings
 
-from multipath_nmt import benchmark
+from multipath_nmt import benchmark, recipe
 
 
 def build_parser():
@@ -14,8 +14,14 @@ def build_parser():
                         help="model and batch size; 'default' takes about 8.5 minutes on 2 idle "
                              "CPU cores, 'tiny' is for tests")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["auto", *recipe.PRECISIONS], default="fp32",
+                        help="train.sh's precision, the same for every system: bf16 (--amp "
+                             "--bf16) and fp16 (--amp) autocast over fp32 weights; auto is bf16 "
+                             "on GPUs that have it, else fp16, and fp32 on the CPU; fp16 needs "
+                             "--device cuda")
     parser.add_argument("--fp16", action="store_true",
-                        help="train in fp16 (fairseq --fp16, needs --device cuda)")
+                        help="the same as --precision fp16 (fairseq's --amp, as train.sh trains; "
+                             "no longer fairseq's all-fp16 --fp16)")
     parser.add_argument("--only", nargs="+", metavar="SYSTEM",
                         help="measure only these systems (names as in the table)")
     parser.add_argument("--padded", action="store_true",
@@ -31,14 +37,24 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.fp16 and args.device != "cuda":
-        parser.error("--fp16 needs --device cuda: fairseq's fp16 optimizer runs on GPUs only")
+    if args.fp16:
+        if args.precision not in ("fp32", "fp16"):  # fp32: the default, not asked for
+            parser.error(f"--fp16 and --precision {args.precision} contradict each other")
+        args.precision = "fp16"
+    if args.precision == "fp16" and args.device != "cuda":
+        given = "--fp16" if args.fp16 else "--precision fp16"
+        parser.error(f"{given} needs --device cuda: float16 autocast and its loss scaler are "
+                     "CUDA's (on the CPU: --precision bf16 or fp32)")
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             sys.exit(f"multipath-bench: --device cuda: no CUDA device is visible to PyTorch "
                      f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
+    try:
+        args.precision = recipe.choose_precision(args.precision, int(args.device == "cuda"))
+    except recipe.RecipeError as error:
+        parser.error(str(error))
     known = {s.name for s in benchmark.systems_for(benchmark.SIZES[args.size])}
     unknown = sorted(set(args.only or []) - known)
     if unknown:
@@ -46,7 +62,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, force=True)  # fairseq and hydra are chatty
     warnings.filterwarnings("ignore", module="hydra")
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    result = benchmark.run(args.size, args.device, args.fp16, args.only,
+    result = benchmark.run(args.size, args.device, args.precision, args.only,
                            memory=not args.no_memory, padded=args.padded or None, log=log)
     result = benchmark.write_reports(result, args.out)
     print(benchmark.markdown_report(result))
