@@ -1,4 +1,5 @@
 """The multipath_transformer fairseq model: presets, flags, parameter counts, decoding, training."""
+import copy
 import math
 import re
 from collections import Counter
@@ -208,6 +209,37 @@ def test_beam_search_keeps_encoder_keys_per_sentence_and_does_not_reorder_them()
     steps = len(before[0][0]["tokens"])
     assert removed == {encoder_keys: 2 * (steps - 1)}
     assert not Counter(gathers_after) - Counter(gathers_before)
+
+
+def _translate(model, sample, beam):
+    generator = SequenceGenerator([model], model.decoder.dictionary, beam_size=beam, max_len_b=12)
+    with torch.no_grad():
+        return [(h[0]["tokens"], h[0]["score"]) for h in generator.generate([model], sample)]
+
+
+def test_beam_1_after_beam_4_decodes_as_a_fresh_model():
+    """Issue 29: fairseq tells the model its beam size only for beams > 1
+    (EnsembleModel.set_decoder_beam_size), so a model that had decoded with beam 4 kept grouping
+    the rows of a beam-1 search by 4 and treated 4 sentences as one sentence's beams."""
+    model = _perturbed_paths_model(0.3)
+    fresh = copy.deepcopy(model)
+    pad = model.encoder.padding_idx
+    src = torch.randint(4, 100, (4, 9), generator=torch.Generator().manual_seed(0))
+    src[1, :3] = pad
+    src[3, :5] = pad
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(pad).sum(1)}}
+    expected = _translate(fresh, sample, beam=1)
+    _translate(model, sample, beam=4)
+    for (tokens, score), (expected_tokens, expected_score) in zip(
+            _translate(model, sample, beam=1), expected):
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(score, expected_score)
+    # and beam 4 again after beam 1 (and 2) decodes as a fresh model's beam 4
+    _translate(model, sample, beam=2)
+    for (tokens, score), (expected_tokens, expected_score) in zip(
+            _translate(model, sample, beam=4), _translate(copy.deepcopy(fresh), sample, beam=4)):
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(score, expected_score)
 
 
 @pytest.mark.parametrize("arch", ["multipath_transformer_wmt_en_de"] + [

@@ -129,6 +129,11 @@ class FairseqMultiPathDecoderLayer(MultiPathDecoderLayer):
                 getattr(self, name).reorder_cache(states, new_order)
 
 
+# The key of the encoder output under which reorder_encoder_out keeps the hypotheses per sentence
+# of the search (see MultiPathTransformerModel.set_beam_size).
+BEAM_SIZE = "beam_size"
+
+
 class MultiPathTransformerEncoder(TransformerEncoder):
     def build_encoder_layer(self, cfg):
         args = self.args
@@ -136,8 +141,25 @@ class MultiPathTransformerEncoder(TransformerEncoder):
             args.encoder_embed_dim, args.encoder_ffn_embed_dim, args.encoder_attention_heads,
             args.encoder_paths, **_path_options(args)), args)
 
+    def reorder_encoder_out(self, encoder_out, new_order):
+        """fairseq's reorder, plus the hypotheses per sentence (``encoder_out["beam_size"]``, 1
+        for the encoder's own output): multiplied by the rows per row when ``new_order`` is
+        longer than the batch (the search expanding each sentence to its beams), kept when it
+        is not (beams reordered, finished sentences leaving). From shapes only."""
+        reordered = super().reorder_encoder_out(encoder_out, new_order)
+        beam_size = encoder_out.get(BEAM_SIZE, [1])[0]
+        if encoder_out["encoder_out"]:
+            rows = encoder_out["encoder_out"][0].size(1)
+            if new_order.numel() > rows:
+                beam_size *= new_order.numel() // rows
+        reordered[BEAM_SIZE] = [beam_size]
+        return reordered
+
 
 class MultiPathTransformerDecoder(TransformerDecoder):
+    # per-sentence encoder keys/values in beam search (MultiPathTransformerModel.set_beam_size)
+    share_encoder_rows = True
+
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         args = self.args
         if args.decoder_paths == 1:
@@ -146,6 +168,22 @@ class MultiPathTransformerDecoder(TransformerDecoder):
             args.decoder_embed_dim, args.decoder_ffn_embed_dim, args.decoder_attention_heads,
             args.decoder_paths, encoder_embed_dim=args.encoder_embed_dim,
             no_encoder_attn=no_encoder_attn, **_path_options(args)), args)
+
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
+                         **kwargs):
+        """fairseq's, with the multi-path encoder-decoder attentions told how many rows of an
+        incremental decoding step are the beams of one sentence: the encoder output's
+        ``beam_size`` (see :meth:`MultiPathTransformerEncoder.reorder_encoder_out`), set at every
+        call, so no search inherits the grouping of an earlier one."""
+        if incremental_state is not None:
+            beam_size = 1
+            if self.share_encoder_rows and encoder_out is not None:
+                beam_size = encoder_out.get(BEAM_SIZE, [1])[0]
+            for module in self.modules():
+                if isinstance(module, MultiPathAttention) and module.encoder_decoder_attention:
+                    module.set_beam_size(beam_size)
+        return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
+                                        **kwargs)
 
 
 @register_model("multipath_transformer")
@@ -191,12 +229,19 @@ class MultiPathTransformerModel(TransformerModel):
         return super().build_model(args, task)
 
     def set_beam_size(self, beam_size):
-        """Called by fairseq's SequenceGenerator before beam search: the multi-path
-        encoder-decoder attentions keep the encoder's keys/values once per sentence (fairseq's
-        own decoder layers keep theirs per hypothesis, as in stock fairseq)."""
-        for module in self.decoder.modules():
-            if isinstance(module, MultiPathAttention):
-                module.set_beam_size(beam_size)
+        """Called by fairseq's SequenceGenerator before beam search: with a beam size above 1 the
+        multi-path encoder-decoder attentions keep the encoder's keys/values once per sentence
+        (fairseq's own decoder layers keep theirs per hypothesis, as in stock fairseq); 1 keeps
+        them per hypothesis.
+
+        The number of beams per sentence is not taken from here: fairseq calls this only for
+        beam sizes above 1 (``EnsembleModel.set_decoder_beam_size``), so a model that searched
+        with beam 4 would still group a beam-1 search's rows by 4 and treat 4 sentences as one
+        sentence's beams. Every search derives it from shapes instead: the encoder output counts
+        the beams it was expanded to (:meth:`MultiPathTransformerEncoder.reorder_encoder_out`)
+        and the decoder gives that number to its attentions at every incremental step
+        (:meth:`MultiPathTransformerDecoder.extract_features`)."""
+        self.decoder.share_encoder_rows = beam_size > 1
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):

@@ -278,9 +278,13 @@ class MultiPathAttention(nn.Module):
             2, 1, 3, 0, 4)
 
     def set_beam_size(self, beam_size: int):
-        """Rows of the query are groups of ``beam_size`` beams of one sentence (fairseq calls
-        this before beam search); encoder-decoder attention then keeps one copy of the encoder's
-        keys and values per sentence. Self-attention ignores it."""
+        """Rows of the query are groups of ``beam_size`` beams of one sentence; encoder-decoder
+        attention then keeps one copy of the encoder's keys and values per sentence.
+        Self-attention ignores it. It must be the current search's: the fairseq model sets it
+        at every incremental decoding step, from the shapes of that search
+        (``MultiPathTransformerDecoder.extract_features`` in multipath_nmt/models), because
+        fairseq itself announces only beam sizes above 1 and a value left from an earlier search
+        would group the rows wrongly."""
         self.beam_size = beam_size
 
     def reorder_cache(self, cache: Dict[str, Tensor], new_order: Tensor):
