@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# The GPU check (docs/gpu.md): on one CUDA GPU, in about 10 minutes, for every architecture family
-# (stock transformer, multi-path, WideNet, MoE, EWA, ParameterNet): 50 fp16 training steps through
-# fairseq's Trainer on padded, length-varied batches (finite losses, loss scale, skipped steps),
-# synchronizing CUDA operations per step (torch.cuda.set_sync_debug_mode("warn")), peak memory,
-# tokens/s against stock fairseq, and beam search in fp16 against fp32 on the same weights;
-# then multipath-bench --device cuda --fp16.
-#   scripts/gpu-check.sh [--out DIR] [--data DATA_BIN] [--only SYSTEM ...] [--no-bench]
+# The GPU check (docs/gpu.md): on one CUDA GPU, for every architecture family (stock transformer,
+# multi-path, WideNet, MoE, EWA, ParameterNet), training through the command scripts/train.sh runs
+# (recipe.train_command: --optimizer adam_fused, the recipe's lr and criterion, --update-freq 2,
+# and train.sh's precision: --precision auto is --amp --bf16 on GPUs with bfloat16, else --amp),
+# at the check's model size with a short --warmup-updates, 50 updates through fairseq's Trainer on
+# padded, length-varied batches: finite losses, a falling loss, loss scale and skipped updates,
+# synchronizing CUDA operations per update (torch.cuda.set_sync_debug_mode("warn")), peak memory,
+# tokens/s against stock fairseq, the same 50 updates in fp32 (same seed and batches: the last
+# losses' gap must be within 10% of fp32's loss fall), and beam search in fp16 against fp32 on the
+# same weights. Where 2 or more GPUs are visible, the recipe's fairseq-train command itself on 2
+# GPUs (DDP, 20 updates): its exit status and whether its loss fell. Each system's memory is
+# freed before the next, a failing system does not stop the others, and the time each took is
+# reported. Then multipath-bench --device cuda --precision (the same precision).
+#   scripts/gpu-check.sh [--out DIR] [--data DATA_BIN] [--only SYSTEM ...] [--precision P]
+#                        [--no-ddp] [--no-bench]
 # Writes DIR/check.json and DIR/check.md (DIR: results/gpu-check), and DIR/bench/bench.{json,md,png}.
-# --data: a data-bin with a joined dictionary (batches from train, beam search on valid);
-# default: synthetic sentences of varied length. --no-bench skips multipath-bench (about 4 of the
-# 10 minutes). Other arguments go to `python -m multipath_nmt.cli.gpu_check` (see its --help).
-# PYTHON selects the interpreter that has multipath_nmt installed (default: python).
+# --data: a data-bin with a joined dictionary (batches from train, beam search on valid, the
+# 2-GPU runs on train); default: synthetic sentences of varied length. --no-bench skips
+# multipath-bench. Other arguments go to `python -m multipath_nmt.cli.gpu_check` (see its --help).
+# Exit status: 0 when every system passed, 3 when one failed to run or failed a check (check.md
+# says which and why), anything else when the check did not run. The last line says how long it
+# took. PYTHON selects the interpreter that has multipath_nmt installed (default: python).
 set -euo pipefail
 python=${PYTHON:-python}
-out=results/gpu-check bench=1 device=cuda args=()
+out=results/gpu-check bench=1 device=cuda precision=auto args=()
 while [ $# -gt 0 ]; do
     case $1 in
         --out) out=$2; shift 2 ;;
         --no-bench) bench=0; shift ;;
         --device) device=$2; args+=("$1" "$2"); shift 2 ;;
+        --precision) precision=$2; args+=("$1" "$2"); shift 2 ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -36,8 +47,13 @@ if [ "$status" -ne 0 ] && [ "$status" -ne 3 ]; then
 fi
 reports="$out/check.md"
 if [ "$bench" = 1 ]; then
-    "$python" -m multipath_nmt.cli.bench --device cuda --fp16 --out "$out/bench" || status=$?
+    # memory-efficient-fp16 is the check's CPU stand-in for a loss scaler, not a train.sh precision
+    if [ "$precision" = memory-efficient-fp16 ]; then
+        precision=$([ "$device" = cuda ] && echo fp16 || echo fp32)
+    fi
+    "$python" -m multipath_nmt.cli.bench --device "$device" --precision "$precision" \
+        --out "$out/bench" || status=$?
     reports="$reports, $out/bench/bench.md"
 fi
-echo "gpu-check.sh: reports in $reports; exit status $status" >&2
+echo "gpu-check.sh: reports in $reports; exit status $status; took $SECONDS s" >&2
 exit "$status"

@@ -1,26 +1,46 @@
 """The GPU check (scripts/gpu-check.sh, multipath_nmt/benchmark/gpu_check.py): everything in it
-that does not need CUDA, run on the CPU (fairseq's fp16 optimizer through --memory-efficient-fp16);
-and the padded batches it trains on (multipath_nmt/benchmark/batches.py)."""
+that does not need CUDA, run on the CPU (bfloat16 autocast as train.sh's --precision bf16; fairseq's
+fp16 optimizer and loss scaler through --memory-efficient-fp16; the fairseq-train run on 2 GPUs as
+two gloo processes); and the padded batches it trains on (multipath_nmt/benchmark/batches.py)."""
 import json
 import math
+import os
+import re
+import shlex
+import socket
 import sys
+import types
 import warnings
+import weakref
 
 import pytest
 import torch
 
 from conftest import ROOT, clean_env, run_cli
+from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_check
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
-from multipath_nmt.benchmark.systems import build_trainer
+from multipath_nmt.benchmark.systems import build_trainer_from_argv
 
 TINY = gpu_check.CHECK_SIZES["tiny"]
 
 
-def tiny_trainer(data, system_name=gpu_check.STOCK, precision="fp32", extra=()):
-    system = next(s for s in gpu_check.check_systems(TINY) if s.name == system_name)
-    flags = [*gpu_check.check_flags(TINY, system, precision), *extra]
-    return build_trainer(data, flags, "cpu", False)
+def system_named(name):
+    return next(s for s in gpu_check.check_systems(TINY) if s.name == name)
+
+
+def tiny_trainer(data, system_name=gpu_check.STOCK, precision="fp32", extra=(),
+                 languages=("src", "tgt")):
+    """The trainer the check builds for a system: from the recipe's command on the CPU."""
+    command = gpu_check.check_command(data, data, TINY, system_named(system_name), precision, 0,
+                                      languages, extra)
+    return build_trainer_from_argv(command.argv[3:])
+
+
+def last_value(argv, flag):
+    """A flag's value as fairseq reads it: the last one on the command line wins."""
+    index = len(argv) - 1 - argv[::-1].index(flag)
+    return argv[index + 1]
 
 
 def test_every_architecture_family_is_checked():
@@ -59,9 +79,7 @@ def test_synthetic_batches_are_padded_length_varied_fairseq_batches():
 
 
 def test_batches_from_a_data_bin_and_a_clear_error_when_it_is_too_small(toy_data_bin):
-    trainer, task = build_trainer(
-        str(toy_data_bin), [*gpu_check.check_flags(TINY, gpu_check.check_systems(TINY)[0], "fp32"),
-                            "-s", "en", "-t", "de"], "cpu", False)
+    trainer, task = tiny_trainer(str(toy_data_bin), languages=("en", "de"))
     batches = padded_batches(task, trainer.model, 64, 3, split="valid")
     assert len(batches) == 3
     valid = task.dataset("valid")
@@ -182,8 +200,8 @@ def test_cli_refuses_cuda_without_a_gpu_in_one_line():
     assert proc.stderr.strip().splitlines()[-1] == (  # after fairseq's start-up lines
         f"gpu-check: no CUDA device is visible to PyTorch {torch.__version__} (CUDA build: "
         "none); run it on a GPU machine")
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu"],
-                   check=False)
+    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
+                    "--precision", "fp16"], check=False)
     assert proc.returncode == 1 and "--precision fp16 needs --device cuda" in proc.stderr
     proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
                     "--precision", "fp32", "--only", "nope"], check=False)
@@ -193,13 +211,19 @@ def test_cli_refuses_cuda_without_a_gpu_in_one_line():
 @pytest.mark.slow
 def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
     systems = [gpu_check.STOCK, "WideNet (shared attn + MoE E4 k2)"]
-    run_cli(["bash", ROOT / "scripts" / "gpu-check.sh", "--no-bench", "--device", "cpu",
-             "--precision", "memory-efficient-fp16", "--size", "tiny", "--out", tmp_path,
-             "--only", *systems], env=clean_env(PYTHON=sys.executable))
+    proc = run_cli(["bash", ROOT / "scripts" / "gpu-check.sh", "--no-bench", "--device", "cpu",
+                    "--precision", "memory-efficient-fp16", "--size", "tiny", "--out", tmp_path,
+                    "--only", *systems], env=clean_env(PYTHON=sys.executable))
     result = json.loads((tmp_path / "check.json").read_text())
     assert list(result["systems"]) == systems
+    assert result["precision_flags"] == ["--memory-efficient-fp16"] and result["ddp_gpus"] == 0
     for row in result["systems"].values():
         assert "error" not in row and row["losses_finite"]
+        # train.sh's command, fairseq's fp16 optimizer added; fp32 reached over the same updates
+        assert re.search(r"--optimizer adam_fused .* --update-freq 2 .* --cpu .* "
+                         r"--memory-efficient-fp16$", row["command"])
+        assert row["failed_checks"] == [] and row["loss_fell"] and row["vs_fp32"]["passed"]
+        assert 0 < row["seconds"] < result["seconds"]
         assert row["steps"] == TINY["steps"] and row["initial_loss_scale"] == 128
         assert 0 < row["padding"] < 0.5 and row["gemm_peak_flops"] > 0
         assert row["mfu"] == pytest.approx(row["train_flops_per_token"] * row["tokens_per_s"]
@@ -211,5 +235,221 @@ def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
         assert any("decoder" in site for site in training) and training.keys() == inference.keys()
     report = (tmp_path / "check.md").read_text()
     assert f"| {gpu_check.STOCK} | yes |" in report
+    assert f"The check took {result['seconds']:.0f} s." in report
+    assert f"gpu-check: took {result['seconds']:.0f} s" in proc.stderr
+    assert re.search(r"gpu-check.sh: reports in .*; exit status 0; took \d+ s$", proc.stderr)
     assert f"Attention call sites of {gpu_check.STOCK}: " in report
     assert "| call site | phase | mask passed to SDPA | fused kernels it allows |" in report
+
+
+def test_the_check_trains_through_the_command_train_sh_runs(tmp_path):
+    """Each system's trainer is built from ``recipe.train_command``'s own command line: fused
+    Adam, 2 micro-batches of max-tokens per update, the recipe's lr, train.sh's precision; only
+    the model size, a short warm-up and the seed are the check's. On 2 GPUs the same command
+    trains on each GPU's share of a batch twice as large."""
+    system = system_named("multi-path L x 4 (full)")  # the deep/multi-path recipe
+    with fake_data_dir(TINY["vocab"]) as data:
+        command = gpu_check.check_command(data, tmp_path, TINY, system, "bf16", 0)
+        assert command == recipe.train_command(
+            data, tmp_path, gpu_check.train_sh_arguments(TINY, system, "bf16"), gpus=0)
+        argv = command.argv
+        assert argv[1:4] == ["-m", "fairseq_cli.train", data]
+        assert [last_value(argv, flag) for flag in (
+            "--optimizer", "--update-freq", "--max-tokens", "--lr", "--warmup-updates",
+            "--max-update")] == ["adam_fused", "2", "256", "0.002",
+                                 str(TINY["lr_warmup_updates"]), str(TINY["steps"])]
+        assert "--amp --bf16 --cpu" in shlex.join(argv)
+        trainer, _ = build_trainer_from_argv(argv[3:])
+        cfg = trainer.cfg
+        assert cfg.optimization.update_freq == [2] and cfg.dataset.max_tokens == 256
+        assert cfg.common.amp and cfg.common.bf16 and cfg.common.cpu
+        assert cfg.lr_scheduler.warmup_updates == TINY["lr_warmup_updates"]
+        assert cfg.criterion._name == "label_smoothed_cross_entropy"
+        assert type(trainer.optimizer).__name__ == "AMPOptimizer"
+        assert type(trainer.optimizer.fp32_optimizer).__name__ == "FairseqAdamFused"
+        assert next(trainer.model.parameters()).dtype == torch.float32  # autocast: fp32 weights
+        assert gpu_check.compute_dtype(cfg) == torch.bfloat16
+        # the same seed gives the same weights, as in fairseq-train
+        again, _ = build_trainer_from_argv(argv[3:])
+        for ours, theirs in zip(trainer.model.parameters(), again.model.parameters()):
+            assert torch.equal(ours, theirs)
+        ddp = gpu_check.ddp_command(data, tmp_path, TINY, system, "bf16", 2, bf16=True).argv
+        for other in gpu_check.check_systems(TINY):  # the recipe takes them all (EWA: a length)
+            gpu_check.check_command(data, tmp_path, TINY, other, "bf16", 0)
+    assert [last_value(ddp, flag) for flag in (
+        "--distributed-world-size", "--update-freq", "--max-tokens", "--max-update",
+        "--log-format", "--log-interval")] == ["2", "2", "256", str(TINY["ddp_updates"]),
+                                               "json", "1"]
+    assert "--cpu" not in ddp and "--amp --bf16" in shlex.join(ddp)
+    assert {"--disable-validation", "--no-save"} <= set(ddp)
+
+
+def test_precision_auto_is_train_shs():
+    assert gpu_check.resolve_precision("auto", "cuda", bf16=True) == "bf16"
+    assert gpu_check.resolve_precision("auto", "cuda", bf16=False) == "fp16"
+    assert gpu_check.resolve_precision("auto", "cpu") == "fp32"
+    assert gpu_check.resolve_precision("memory-efficient-fp16", "cpu") == "memory-efficient-fp16"
+    with pytest.raises(recipe.RecipeError, match="needs a CUDA GPU"):
+        gpu_check.resolve_precision("fp16", "cpu")
+    assert gpu_check.precision_flags("bf16") == ["--amp", "--bf16"]
+    assert gpu_check.precision_flags("memory-efficient-fp16") == ["--memory-efficient-fp16"]
+
+
+def test_amp_loss_scale_is_read_without_a_sync_and_overflows_are_halvings():
+    """--amp keeps its loss scale in a device tensor: it is read as a copy (no sync inside the
+    timed steps) and made a number afterwards; every overflow halves it."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=100)
+    read = gpu_check.loss_scale_reader(types.SimpleNamespace(scaler=scaler))
+    assert read() == 8.0  # the initial scale, before the first scaled backward
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler.scale(weight.sum()).backward()
+    before = read()
+    assert torch.is_tensor(before) and float(before) == 8.0
+    weight.grad.fill_(math.inf)
+    scaler.step(optimizer)
+    scaler.update()
+    assert float(read()) == 4.0 and float(before) == 8.0  # a copy, not the scaler's own tensor
+    assert torch.equal(weight, torch.ones(2))  # the overflowed update was skipped
+    assert gpu_check.halvings([8.0, 8.0, 4.0, 1.0, 2.0, None]) == 3
+    disabled = torch.amp.GradScaler("cpu", enabled=False)  # bf16: nothing is scaled
+    assert gpu_check.loss_scale_reader(types.SimpleNamespace(scaler=disabled))() is None
+    assert gpu_check.loss_scale_reader(types.SimpleNamespace())() is None
+
+
+def test_mixed_precision_passes_within_a_tenth_of_fp32s_loss_fall():
+    close = gpu_check.compare_losses([11.0, 10.5, 10.02], [11.0, 10.4, 10.0])
+    assert close["passed"] and close["gap"] == pytest.approx(0.02)
+    assert close["relative_gap"] == pytest.approx(0.002)
+    assert close["gap_share_of_fp32_fall"] == pytest.approx(0.02)
+    # e.g. updates 3x too small: half of fp32's fall is missing
+    slow = gpu_check.compare_losses([11.0, 10.8, 10.5], [11.0, 10.4, 10.0])
+    assert not slow["passed"] and slow["gap_share_of_fp32_fall"] == pytest.approx(0.5)
+    assert not gpu_check.compare_losses([11.0, 10.0], [11.0, 11.2])["passed"]  # nothing to reach
+    row = dict(losses_finite=True, loss_fell=True, vs_fp32=slow,
+               ddp=dict(gpus=2, exit_status=0, loss_fell=False))
+    assert gpu_check.failed_checks(row) == [
+        "the last loss is +0.500 from fp32's (50% of its fall)",
+        "fairseq-train on 2 GPUs: the loss did not fall"]
+    row.update(losses_finite=False, loss_fell=False, vs_fp32=close,
+               ddp=dict(gpus=2, exit_status=1, loss_fell=True))
+    assert gpu_check.failed_checks(row) == [
+        "a loss was not finite", "the loss did not fall", "fairseq-train on 2 GPUs exited with 1"]
+
+
+def test_a_failing_system_is_reported_the_next_is_checked_and_nothing_stays_alive(monkeypatch):
+    """The first system fails in the middle of its training; the check goes on with the next,
+    which trains in bf16 autocast through train.sh's command, 2 micro-batches per update, and then
+    in fp32 on the same batches; its fairseq-train run on 2 GPUs (a stand-in here) fails. No
+    trainer or model of a finished run is alive when the next one is built or the log line of its
+    system is written."""
+    trainers, alive = [], []
+
+    def live():
+        return [ref for pair in trainers for ref in pair if ref() is not None]
+
+    def build(argv):
+        alive.extend(live())
+        trainer, task = build_trainer_from_argv(argv)
+        trainers.append((weakref.ref(trainer), weakref.ref(trainer.model)))
+        return trainer, task
+
+    micro_batches = []
+    real_train_and_watch = gpu_check.train_and_watch
+
+    def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=None,
+                        update_freq=1):
+        real_step = trainer.train_step
+
+        def step(samples):
+            micro_batches.append(len(samples))
+            return real_step(samples)
+
+        trainer.train_step = step
+        if trainer.cfg.model.arch == "transformer_prenorm_wmt_en_de":
+            trainer.train_step(batches[:update_freq])
+            raise RuntimeError("injected failure")
+        return real_train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs,
+                                    update_freq)
+
+    legs = []
+
+    def ddp_leg(data_dir, size, system, precision, gpus, languages):
+        legs.append((system.name, precision, gpus, sorted(os.listdir(data_dir))))
+        return dict(command="fairseq-train ...", gpus=gpus, exit_status=1, seconds=1.0,
+                    updates=0, loss_first=None, loss_last=None, loss_fell=False)
+
+    monkeypatch.setattr(gpu_check, "build_trainer_from_argv", build)
+    monkeypatch.setattr(gpu_check, "train_and_watch", train_and_watch)
+    monkeypatch.setattr(gpu_check, "ddp_leg", ddp_leg)
+    logged = []
+    other = "MoE (E4 k2, every 2nd layer)"
+    result = gpu_check.run_check("tiny", "cpu", "bf16", only=[gpu_check.STOCK, other],
+                                 ddp_gpus=2, log=lambda line: logged.append(live()))
+    failed, row = result["systems"][gpu_check.STOCK], result["systems"][other]
+    assert set(failed) == {"error", "seconds"}
+    assert failed["error"] == "RuntimeError: injected failure"
+    assert len(trainers) == 3  # the failed system, then the next one in bf16 and in fp32
+    assert alive == [] and logged == [[], []] and live() == []
+    assert micro_batches == [2] * (1 + 2 * TINY["steps"])
+    assert "error" not in row and row["update_freq"] == 2 and row["loss_scales"] == [None] * 6
+    assert "--optimizer adam_fused" in row["command"] and "--amp --bf16" in row["command"]
+    assert len(row["fp32"]["losses"]) == TINY["steps"] and row["fp32"]["loss_fell"]
+    assert row["vs_fp32"]["passed"] and row["vs_fp32"]["gap_share_of_fp32_fall"] < 0.05
+    assert row["failed_checks"] == ["fairseq-train on 2 GPUs exited with 1"]  # all else passed
+    assert legs == [(other, "bf16", 2, ["dict.src.txt", "dict.tgt.txt", "train.src-tgt.src.bin",
+                                        "train.src-tgt.src.idx", "train.src-tgt.tgt.bin",
+                                        "train.src-tgt.tgt.idx"])]
+    assert 0 < failed["seconds"] and 0 < row["seconds"]
+    assert failed["seconds"] + row["seconds"] <= result["seconds"]
+    assert gpu_check.failed(result)
+    report = gpu_check.markdown_report(result)
+    assert f"| {gpu_check.STOCK} | **failed: RuntimeError: injected failure** |" in report
+    assert "| **fail: fairseq-train on 2 GPUs exited with 1** |" in report
+    assert f"The check took {result['seconds']:.0f} s." in report
+    assert "--warmup-updates 2` instead of the recipe's" in report
+    assert all(line.count("|") == 19 for line in report.splitlines()
+               if line.startswith(f"| {gpu_check.STOCK}") or line.startswith(f"| {other}"))
+
+
+def fake_fairseq_train(lines, status):
+    """A command line that prints ``lines`` like fairseq-train and exits with ``status``."""
+    script = f"import sys\nfor line in {lines!r}:\n    print(line)\nsys.exit({status})"
+    return lambda argv: [sys.executable, "-c", script]
+
+
+def test_fairseq_train_leg_reports_its_exit_status_losses_and_output(tmp_path):
+    lines = [f'2025-01-01 00:00:0{n} | INFO | train_inner | {{"epoch": 1, "update": 0.{n}, '
+             f'"loss": "{loss}", "num_updates": "{n}"}}' for n, loss in ((2, 9.9), (1, 9.5))]
+    with fake_data_dir(TINY["vocab"]) as data:
+        leg = gpu_check.ddp_leg(data, TINY, system_named(gpu_check.STOCK), "bf16", 0,
+                                launch=fake_fairseq_train([*lines, "Traceback: boom"], 1))
+    assert (leg["exit_status"], leg["updates"], leg["loss_first"], leg["loss_last"],
+            leg["loss_fell"]) == (1, 2, 9.5, 9.9, False)
+    assert leg["output_tail"].endswith("Traceback: boom\n") and leg["seconds"] > 0
+    assert leg["command"].startswith(shlex.join([sys.executable, "-c"]))
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_fairseq_train_leg_runs_the_recipes_command_as_two_gloo_processes():
+    """What the check runs on 2 GPUs, on the CPU: the recipe's fairseq-train command on the
+    synthetic data-bin, under torchrun with 2 gloo processes instead of fairseq's 2 CUDA ones."""
+    def torchrun(argv):
+        return [argv[0], "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *argv[1:],
+                "--distributed-world-size", "2", "--distributed-backend", "gloo"]
+
+    with gpu_check.ddp_data_dir(None, TINY, ("src", "tgt"), 2) as data:
+        leg = gpu_check.ddp_leg(data, TINY, system_named(gpu_check.STOCK), "bf16", 0,
+                                launch=torchrun, timeout=300)
+    assert leg["exit_status"] == 0, leg.get("output_tail")
+    assert leg["updates"] == TINY["ddp_updates"] and leg["loss_fell"]
+    assert re.search(r"-m fairseq_cli\.train .* --optimizer adam_fused .* --update-freq 2 .* "
+                     r"--amp --bf16 --cpu .* --distributed-world-size 2", leg["command"])
+    assert "output_tail" not in leg

@@ -1,11 +1,14 @@
-"""The GPU check (scripts/gpu-check.sh): fp16 training, host syncs, memory, speed and fp16 beam
-search of every architecture family on one GPU, in about 10 minutes
+"""The GPU check (scripts/gpu-check.sh): every architecture family trained through the command
+scripts/train.sh runs (the recipe's optimizer, precision and update-freq), its loss against fp32's
+over the same updates, host syncs, memory, speed and fp16 beam search, on one GPU, and the
+recipe's fairseq-train command on 2 GPUs where there are 2
 (:mod:`multipath_nmt.benchmark.gpu_check`)."""
 import argparse
 import logging
 import sys
 import warnings
 
+from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_check
 
 
@@ -18,21 +21,27 @@ def build_parser():
     parser.add_argument("--out", default="results/gpu-check",
                         help="folder for check.json and check.md")
     parser.add_argument("--size", choices=sorted(gpu_check.CHECK_SIZES), default="gpu",
-                        help="'gpu' (d 512, 6+6 layers, 4096-token batches, 50 steps) is the "
-                             "check; 'tiny' runs the same code in seconds (tests)")
+                        help="'gpu' (d 512, 6+6 layers, 50 updates of 2 x 4096-token "
+                             "micro-batches) is the check; 'tiny' runs the same code in seconds "
+                             "(tests)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu runs everything but the sync, memory and CUDA-event figures")
-    parser.add_argument("--precision", choices=sorted(gpu_check.PRECISIONS), default="fp16",
-                        help="fairseq's training precision (fp16 needs CUDA; "
-                             "memory-efficient-fp16 runs on the CPU too)")
+                        help="cpu runs everything but the sync, memory and CUDA-event figures "
+                             "and the 2-GPU run")
+    parser.add_argument("--precision", choices=gpu_check.PRECISIONS, default="auto",
+                        help="train.sh's --precision (auto: bf16 on GPUs that have it, else "
+                             "fp16; fp32 on the CPU; fp16 needs CUDA); memory-efficient-fp16 is "
+                             "fairseq's fp16 optimizer, whose loss scaler runs on the CPU too")
+    parser.add_argument("--no-ddp", action="store_true",
+                        help="skip the fairseq-train runs on 2 GPUs (run where 2 or more GPUs "
+                             "are visible)")
     parser.add_argument("--only", nargs="+", metavar="SYSTEM",
                         help="check only these systems (names as in the report)")
     return parser
 
 
 def main(argv=None):
-    """Exit status 3 when the check ran and some system failed (``scripts/gpu-check.sh`` tells
-    that apart from a check that did not run)."""
+    """Exit status 3 when the check ran and some system failed to run or failed a check
+    (``scripts/gpu-check.sh`` tells that apart from a check that did not run)."""
     args = build_parser().parse_args(argv)
     import torch
 
@@ -40,8 +49,12 @@ def main(argv=None):
         sys.exit(f"gpu-check: no CUDA device is visible to PyTorch {torch.__version__} "
                  f"(CUDA build: {torch.version.cuda or 'none'}); run it on a GPU machine")
     if args.precision == "fp16" and args.device != "cuda":
-        sys.exit("gpu-check: --precision fp16 needs --device cuda (fairseq's fp16 optimizer); "
-                 "use --precision memory-efficient-fp16 on the CPU")
+        sys.exit("gpu-check: --precision fp16 needs --device cuda (float16 autocast and its loss "
+                 "scaler are CUDA's); on the CPU use bf16, fp32 or memory-efficient-fp16")
+    try:
+        gpu_check.resolve_precision(args.precision, args.device)
+    except recipe.RecipeError as error:
+        sys.exit(f"gpu-check: {error}")
     known = [s.name for s in gpu_check.check_systems(gpu_check.CHECK_SIZES[args.size])]
     unknown = sorted(set(args.only or []) - set(known))
     if unknown:
@@ -50,11 +63,12 @@ def main(argv=None):
     warnings.filterwarnings("ignore", module="hydra")
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     result = gpu_check.run_check(args.size, args.device, args.precision, args.data, args.only,
-                                 log=log)
+                                 log=log, ddp_gpus=0 if args.no_ddp else None)
     gpu_check.write_reports(result, args.out)
     print(gpu_check.markdown_report(result))
     print(f"wrote {args.out}/check.json and check.md", file=sys.stderr)
-    return 3 if any("error" in r for r in result["systems"].values()) else 0
+    print(f"gpu-check: took {result['seconds']:.0f} s", file=sys.stderr)
+    return 3 if gpu_check.failed(result) else 0
 
 
 if __name__ == "__main__":
