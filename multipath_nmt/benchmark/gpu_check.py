@@ -66,8 +66,10 @@ from multipath_nmt.benchmark.systems import System, build_trainer_from_argv, sys
 from multipath_nmt.benchmark.timing import elapsed_seconds
 from multipath_nmt.training_log import PlotLogError, parse_log
 
-# "gpu" is the size the check is made for: about 10 minutes on one GPU for all systems; "tiny"
-# runs the same code on the CPU in seconds (the tests). ``steps`` updates per system (each of
+# "gpu" is the size the check is made for; "tiny" runs the same code on the CPU in seconds (the
+# tests). The gpu size was estimated at about 10 minutes on one GPU when a step was one batch in
+# fp16; each system now trains 4 times the tokens (2 micro-batches per update, then again in
+# fp32), plus the 2-GPU runs: the check reports its own time, not yet measured on a GPU. ``steps`` updates per system (each of
 # UPDATE_FREQ micro-batches of up to ``max_tokens``), the first ``warmup_steps`` neither timed nor
 # counted for syncs (allocator, cuBLAS heuristics). ``lr_warmup_updates`` replaces the recipe's
 # --warmup-updates; ``ddp_updates`` is the length of the fairseq-train run on 2 GPUs.
