@@ -106,7 +106,7 @@ def test_encoder_decoder_attention_takes_the_sdpa_path_with_fairseqs_numbers(sou
     calls = attention_calls(model, lambda: _outputs_and_gradients(model, src, prev))
     assert set(calls["decoder cross-attn"]) == {"float mask", NO_SDPA}
     out, grads = _outputs_and_gradients(model, src, prev)
-    monkeypatch.setattr(MultiheadAttention, "forward", MultiheadAttention.forward.__wrapped__)
+    monkeypatch.setattr(MultiheadAttention, "forward", MultiheadAttention.fairseq_forward)
     expected_out, expected_grads = _outputs_and_gradients(model, src, prev)
     torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-6)
     for n, g in grads.items():
