@@ -14,9 +14,10 @@
 * :func:`save_atomically` writes through :mod:`multipath_nmt.atomic_files` (a temporary file in
   the destination folder, fsynced and renamed into place). A failed write removes the partial file
   and raises :class:`CheckpointSaveError`; earlier checkpoints are untouched.
-* :func:`peek_checkpoint` reads a checkpoint's structure without its tensor data, and
-  :func:`newest_readable` finds the checkpoint with the most updates that reads (what a resume
-  falls back to when ``checkpoint_last.pt`` is damaged).
+* :func:`peek_checkpoint` reads a checkpoint's structure without its tensor data,
+  :func:`proven_damage` tells whether a file is proven damaged (what a resume checks
+  ``checkpoint_last.pt`` with) and :func:`newest_readable` finds the checkpoint with the most
+  updates that reads (what a resume falls back to when ``checkpoint_last.pt`` is damaged).
 * :func:`check_dictionaries`: a data-bin whose dictionaries do not match the checkpoint's
   embeddings is reported with both sizes and both paths before fairseq fails on a tensor shape.
 """
@@ -344,6 +345,25 @@ def peek_checkpoint(path):
         except Exception as err:
             raise DamagedCheckpointError(path, f"damaged checkpoint: its data.pkl record cannot be "
                                                f"read ({_torch_reason(err)})") from None
+
+
+def proven_damage(path):
+    """The error (one of :data:`UNREADABLE`) that proves the local checkpoint ``path`` damaged
+    or not a fairseq checkpoint, judged from its structure alone (:func:`check_file`,
+    :func:`peek_checkpoint`); None when it reads, when it is remote storage (``://``: fairseq's
+    PathManager reads it) and when the check cannot judge it (missing, unreadable for other
+    reasons, not a path at all): those are fairseq's to report, as they were without the
+    plug-in."""
+    try:
+        if "://" in str(path):
+            return None
+        check_file(path)
+        peek_checkpoint(path)
+    except UNREADABLE as damage:
+        return damage if damage.path == str(path) else None
+    except Exception:  # noqa: BLE001 - nothing proven: fairseq's own load decides
+        return None
+    return None
 
 
 def saved_at(state):

@@ -6,18 +6,24 @@ are in no package; ``scripts/fairseq-tests.sh`` runs them, ``docs/fairseq-tests.
   tests/test_sequence_generator.py::TestJitSequenceGenerator, 3): ``torch.jit.script`` of
   fairseq's MultiheadAttention, of a Transformer built by ``build_model`` and of its
   SequenceGenerator failed on the attention patch's wrapper of ``MultiheadAttention.forward``.
+* Resume (tests/test_train.py::TestLoadCheckpoint, 4): ``checkpoint_utils.load_checkpoint``
+  asked ``os.path`` instead of fairseq's ``PathManager`` whether ``checkpoint_last.pt`` exists,
+  and stopped on a path it could not check, so fairseq's first-launch, fine-tune and resume
+  logic (and storage served by ``PathManager``) was bypassed.
 * Incremental decoding (tests/test_roberta.py::test_roberta_incremental_decoder, 1): a decoder
   fairseq builds outside ``TransformerModelBase.build_model`` (RoBERTa's encoder-decoder) gave a
   full pass that differed in the last bits from incremental decoding, because every
   encoder-decoder attention took the SDPA path.
 """
+from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
 from conftest import TINY_MODEL
+from omegaconf import OmegaConf
 
-from fairseq import options
-from fairseq.data import Dictionary
+from fairseq import checkpoint_utils, options
+from fairseq.data import Dictionary, EpochBatchIterator, LanguagePairDataset, TokenBlockDataset
 from fairseq.models.transformer import TransformerDecoder
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
@@ -134,4 +140,85 @@ def test_unmarked_encoder_decoder_attention_is_fairseqs_own():
     expected = attention.fairseq_forward(query, memory, memory, key_padding_mask=padding,
                                          static_kv=True, need_weights=False)[0]
     assert torch.equal(out, expected)
+
+
+# --- checkpoint_utils.load_checkpoint through fairseq's PathManager -------------------------
+
+def _trainer_and_iterator(epoch, epoch_size, num_updates, iterations_in_epoch):
+    """A trainer whose load_checkpoint returns these iterator positions, as fairseq's test."""
+    trainer = MagicMock()
+    trainer.load_checkpoint.return_value = {"train_iterator": {
+        "epoch": epoch, "iterations_in_epoch": iterations_in_epoch, "shuffle": False}}
+    trainer.get_num_updates.return_value = num_updates
+    dictionary = MagicMock()
+    dictionary.pad.return_value, dictionary.eos.return_value, dictionary.unk.return_value = 1, 2, 3
+    tokens = torch.arange(epoch_size).view(1, -1)
+    blocks = TokenBlockDataset(tokens, sizes=[tokens.size(-1)], block_size=1, pad=0, eos=1,
+                               include_targets=False)
+    dataset = LanguagePairDataset(blocks, blocks.sizes, dictionary, shuffle=False)
+    iterator = EpochBatchIterator(dataset=dataset, collate_fn=dataset.collater,
+                                  batch_sampler=[[i] for i in range(epoch_size)])
+    trainer.get_train_iterator = MagicMock(return_value=iterator)
+    return trainer
+
+
+def _checkpoint_cfg(finetune_from_model=None):
+    return OmegaConf.create({
+        "save_dir": None, "optimizer_overrides": "{}", "reset_dataloader": False,
+        "reset_meters": False, "reset_optimizer": False, "reset_lr_scheduler": False,
+        "finetune_from_model": finetune_from_model, "model_parallel_size": 1,
+        "restore_file": "checkpoint_last.pt"})
+
+
+@pytest.fixture
+def fairseqs_file_system():
+    """The file system as fairseq's test mocks it: os.path says every file exists,
+    fairseq's PathManager says none does (a first launch)."""
+    mocks = {"os.makedirs": MagicMock(), "os.path.join": MagicMock(),
+             "os.path.isfile": MagicMock(return_value=True),
+             "os.path.isabs": MagicMock(return_value=False),
+             "fairseq.file_io.PathManager.exists": MagicMock(return_value=False)}
+    patches = [patch(target, mock) for target, mock in mocks.items()]
+    for p in patches:
+        p.start()
+    yield mocks
+    for p in patches:
+        p.stop()
+
+
+@pytest.mark.parametrize("num_updates,iterations,epoch,position", [
+    (200, 50, 2, 50),   # saved in the middle of epoch 2: resumes there
+    (300, 150, 3, 0),   # saved at its end: epoch 3 from its start
+], ids=["partial", "full"])
+def test_resume_decides_through_pathmanager_and_restores_the_iterator(
+        fairseqs_file_system, num_updates, iterations, epoch, position):
+    trainer = _trainer_and_iterator(2, 150, num_updates, iterations)
+    _, iterator = checkpoint_utils.load_checkpoint(_checkpoint_cfg(), trainer)
+    batches = iterator.next_epoch_itr(shuffle=False)
+    assert (iterator.epoch, iterator.iterations_in_epoch) == (epoch, position)
+    assert next(batches)["net_input"]["src_tokens"][0].item() == position
+
+
+def test_finetune_from_model_on_a_first_launch_resets_everything(fairseqs_file_system):
+    pretrained = "/temp/checkpoint_pretrained.pt"
+    fairseqs_file_system["fairseq.file_io.PathManager.exists"].side_effect = (
+        lambda path: path == pretrained)
+    trainer = _trainer_and_iterator(1, 150, 0, 0)
+    checkpoint_utils.load_checkpoint(_checkpoint_cfg(pretrained), trainer)
+    path, reset_optimizer, reset_lr_scheduler, _ = trainer.load_checkpoint.call_args[0]
+    assert path == pretrained
+    assert reset_optimizer and reset_lr_scheduler
+    assert trainer.load_checkpoint.call_args[1]["reset_meters"]
+
+
+def test_finetune_from_model_with_a_checkpoint_last_resumes_it(fairseqs_file_system):
+    # PathManager says checkpoint_last.pt exists, at a path (os.path.join is mocked) that the
+    # plug-in cannot open: fairseq resumes it, as without the plug-in
+    fairseqs_file_system["fairseq.file_io.PathManager.exists"].return_value = True
+    trainer = _trainer_and_iterator(1, 150, 0, 0)
+    checkpoint_utils.load_checkpoint(_checkpoint_cfg("/temp/checkpoint_pretrained.pt"), trainer)
+    path, reset_optimizer, reset_lr_scheduler, _ = trainer.load_checkpoint.call_args[0]
+    assert path is fairseqs_file_system["os.path.join"].return_value
+    assert not (reset_optimizer or reset_lr_scheduler)
+    assert not trainer.load_checkpoint.call_args[1]["reset_meters"]
 

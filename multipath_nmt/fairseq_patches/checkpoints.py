@@ -14,6 +14,12 @@
 * ``checkpoint_utils.load_checkpoint`` (resume): a ``checkpoint_last.pt`` that cannot be read is
   renamed to ``checkpoint_last.pt.damaged`` (never deleted) and training resumes from the newest
   readable checkpoint of the save dir, with a warning saying how many updates are trained again.
+  Whether there is a ``checkpoint_last.pt`` is asked as fairseq asks it (``PathManager.exists``),
+  and only a local file proven damaged (:func:`~multipath_nmt.checkpoints.proven_damage`) changes
+  fairseq's course: a first launch, ``--finetune-from-model``, ``--continue-once``, remote storage
+  (iopath handlers) and any file the check cannot judge go to fairseq's ``load_checkpoint``
+  unchanged, which reads through ``Trainer.load_checkpoint`` and ``PathManager`` as it always
+  does.
 * ``Trainer.load_checkpoint`` and ``checkpoint_utils.load_model_ensemble_and_task``: a data-bin
   whose dictionaries do not match the checkpoint's embeddings is reported with both sizes and both
   paths (:func:`multipath_nmt.checkpoints.check_dictionaries`) before fairseq fails on a tensor
@@ -30,8 +36,8 @@ import sys
 import torch
 
 from multipath_nmt import checkpoints
-from multipath_nmt.checkpoints import (UNREADABLE, CheckpointError, check_dictionaries, check_file,
-                                       newest_readable, peek_checkpoint, read_checkpoint,
+from multipath_nmt.checkpoints import (CheckpointError, check_dictionaries, newest_readable,
+                                       peek_checkpoint, proven_damage, read_checkpoint,
                                        save_atomically, saved_at, write_atomically)
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
@@ -93,18 +99,19 @@ def _set_aside(path):
 def _resume_from_readable(load_checkpoint):
     @functools.wraps(load_checkpoint)
     def load_checkpoint_or_the_newest_readable(cfg, trainer, **passthrough_args):
+        from fairseq.file_io import PathManager
+
         suffix = trainer.checkpoint_suffix or ""
         last = os.path.join(cfg.save_dir, f"checkpoint_last{suffix}.pt")
-        if cfg.restore_file != "checkpoint_last.pt" or "://" in last or not os.path.isfile(last):
+        # fairseq's own test of a first launch (PathManager.exists, as its load_checkpoint
+        # does): without a checkpoint_last.pt, --finetune-from-model, --continue-once and a
+        # fresh start take fairseq's course untouched, whatever storage PathManager serves
+        if cfg.restore_file != "checkpoint_last.pt" or not PathManager.exists(last):
             return load_checkpoint(cfg, trainer, **passthrough_args)
-        try:
-            check_file(last)
-            peek_checkpoint(last)
+        damage = proven_damage(last)
+        if damage is None:
             return load_checkpoint(cfg, trainer, **passthrough_args)
-        except UNREADABLE as damage:
-            if damage.path != last:
-                raise
-            return _resume_from_earlier(cfg, trainer, last, damage, load_checkpoint, passthrough_args)
+        return _resume_from_earlier(cfg, trainer, last, damage, load_checkpoint, passthrough_args)
 
     return load_checkpoint_or_the_newest_readable
 
