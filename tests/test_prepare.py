@@ -142,6 +142,100 @@ def test_task_table_has_the_twelve_directions():
     assert unpinned == ["un_v1_en_ru", "wmt14_dev", "wmt17_dev"]
 
 
+def _members(template, *pairs):
+    """``template`` filled in for each (xx, yy, lang) of ``pairs``."""
+    return {template.format(xx=xx, yy=yy, lang=lang) for xx, yy in pairs for lang in (xx, yy)}
+
+
+# The members of each archive, by URL, as public preparation code names them (not guessed):
+# tensorflow/datasets' WMT builders (datasets/wmt/wmt_utils.py, _TRAIN_SUBSETS / _DEV_SUBSETS),
+# sockeye's autopilot (contrib/autopilot/tasks.py, RAW_FILES and TASKS), sacreBLEU's dataset
+# table (sacrebleu/dataset/__init__.py), tensor2tensor's translate_ende.py and mtdata's
+# index/statmt.py (the WMT dev sets, which each year's dev.tgz carries on). Only the pairs these
+# sources name are listed, so an archive that lacks a language (the WMT18 copies of Europarl v8
+# and Rapid 2016 have no Latvian) has none of its members here.
+STATMT, DATA17 = "http://www.statmt.org", "http://data.statmt.org/wmt17/translation-task"
+UNV1 = "https://www.un.org/dgacm/sites/www.un.org.dgacm/files/files/UNCORPUS/UNv1.0.en-ru.tar.gz"
+PUBLIC_MEMBERS = {
+    # tfds europarl_v7 (cs, de, es, fr), sockeye europarl_v7
+    f"{STATMT}/wmt13/training-parallel-europarl-v7.tgz":
+        _members("training/europarl-v7.{xx}-en.{lang}", *[(x, "en") for x in ("cs", "de", "es", "fr")]),
+    # tfds commoncrawl (cs, de, es, fr, ru), sockeye common_crawl_wmt13
+    f"{STATMT}/wmt13/training-parallel-commoncrawl.tgz":
+        _members("commoncrawl.{xx}-en.{lang}", *[(x, "en") for x in ("cs", "de", "es", "fr", "ru")]),
+    # tfds multiun (es, fr), sockeye un_wmt13
+    f"{STATMT}/wmt13/training-parallel-un.tgz": _members("un/undoc.2000.{xx}-en.{lang}", ("es", "en"), ("fr", "en")),
+    # tfds newscommentary_v9 (cs, de, fr, ru), sockeye news_commentary_v9
+    f"{STATMT}/wmt14/training-parallel-nc-v9.tgz":
+        _members("training/news-commentary-v9.{xx}-en.{lang}", *[(x, "en") for x in ("cs", "de", "fr", "ru")]),
+    # tfds newscommentary_v12 (cs, de, ru, zh), sockeye news_commentary_v12
+    f"{DATA17}/training-parallel-nc-v12.tgz":
+        _members("training/news-commentary-v12.{xx}-en.{lang}", *[(x, "en") for x in ("cs", "de", "ru", "zh")]),
+    # tfds gigafren, sockeye giga_fren_wmt10
+    f"{STATMT}/wmt10/training-giga-fren.tar": {"giga-fren.release2.fixed.fr.gz", "giga-fren.release2.fixed.en.gz"},
+    # tfds wikiheadlines_fi, wikiheadlines_ru; sockeye wiki_headlines_wmt15
+    f"{STATMT}/wmt15/wiki-titles.tgz": {"wiki/fi-en/titles.fi-en", "wiki/ru-en/wiki.ru-en"},
+    # sockeye europarl_v8 (the WMT17 copy) in its wmt17_{en,fi,lv}_* tasks
+    f"{DATA17}/training-parallel-ep-v8.tgz": _members("training/europarl-v8.{xx}-en.{lang}", ("fi", "en"), ("lv", "en")),
+    # tfds europarl_v8_18 (the WMT18 copy): et, fi
+    "http://data.statmt.org/wmt18/translation-task/training-parallel-ep-v8.tgz":
+        _members("training/europarl-v8.{xx}-en.{lang}", ("et", "en"), ("fi", "en")),
+    # sockeye rapid_eu_2016 (the WMT17 copy) in its wmt17_de_en, wmt17_fi_en and wmt17_lv_en tasks
+    f"{DATA17}/rapid2016.tgz": _members("rapid2016.{xx}-{yy}.{lang}", ("de", "en"), ("en", "fi"), ("en", "lv")),
+    # tfds rapid_2016 (the WMT18 copy): de, et, fi
+    "http://data.statmt.org/wmt18/translation-task/rapid2016.tgz":
+        _members("rapid2016.{xx}-{yy}.{lang}", ("de", "en"), ("en", "et"), ("en", "fi")),
+    # tfds leta_v1, dcep_v1, onlinebooks_v1; sockeye leta_v1, dcep_lv_en_v1, books_lv_en_v1
+    f"{DATA17}/leta.v1.tgz": {"LETA-lv-en/leta.lv", "LETA-lv-en/leta.en"},
+    f"{DATA17}/dcep.lv-en.v1.tgz": {"dcep.en-lv/dcep.lv", "dcep.en-lv/dcep.en"},
+    f"{DATA17}/books.lv-en.v1.tgz": {"farewell/farewell.lv", "farewell/farewell.en"},
+    # tfds yandexcorpus, uncorpus_v1
+    "https://translate.yandex.ru/corpus/1mcorpus.zip": {"corpus.en_ru.1m.ru", "corpus.en_ru.1m.en"},
+    UNV1: {"en-ru/UNv1.0.en-ru.ru", "en-ru/UNv1.0.en-ru.en"},
+    # newstest2013: sockeye wmt14_{en,de,fr}_* dev sets; newstest2012: WMT14 preparation scripts on
+    # GitHub (one derived from tensorflow/nmt's wmt16_en_de.sh reads src.en and ref.de, another ref.fr)
+    f"{STATMT}/wmt14/dev.tgz": {"dev/newstest2013-src.en.sgm", "dev/newstest2013-ref.de.sgm",
+                                "dev/newstest2013-ref.fr.sgm", "dev/newstest2012-src.en.sgm",
+                                "dev/newstest2012-ref.de.sgm", "dev/newstest2012-ref.fr.sgm"},
+    # sacreBLEU wmt14/full
+    f"{STATMT}/wmt14/test-full.tgz": {f"test-full/newstest2014-{xx}en-{side}.sgm" for xx in ("de", "fr")
+                                      for side in ("src.en", f"ref.{xx}", f"src.{xx}", "ref.en")},
+    # Each year's dev.tgz carries the earlier years' sets on, under their test-release names.
+    # newstest2014-deen (English side): tensor2tensor, from this archive; newstest2014-ruen: its
+    # WMT14 test-release name (sacreBLEU wmt14 en-ru); newstest2015/2016 en-de, en-fi, en-ru:
+    # mtdata (WMT20 dev.tgz), sockeye (2016 en-de and en-fi, this archive); newsdev2015 en-fi:
+    # mtdata; newstestB2016: tfds (WMT19 dev.tgz); newsdev2017 en-lv: sacreBLEU wmt17/dev, sockeye
+    f"{DATA17}/dev.tgz": {
+        "dev/newstest2014-deen-src.en.sgm", "dev/newstest2014-deen-ref.de.sgm",
+        "dev/newstest2014-ruen-src.en.sgm", "dev/newstest2014-ruen-ref.ru.sgm",
+        *[f"dev/{s}-en{xx}-{side}.sgm" for s in ("newstest2015", "newstest2016") for xx in ("de", "fi", "ru")
+          for side in ("src.en", f"ref.{xx}")],
+        "dev/newsdev2015-enfi-src.en.sgm", "dev/newsdev2015-enfi-ref.fi.sgm",
+        "dev/newstestB2016-enfi-src.en.sgm", "dev/newstestB2016-enfi-ref.fi.sgm",
+        "dev/newsdev2017-enlv-src.en.sgm", "dev/newsdev2017-enlv-ref.lv.sgm"},
+    # sacreBLEU wmt17
+    f"{DATA17}/test.tgz": {f"test/newstest2017-en{xx}-{side}.sgm" for xx in ("de", "fi", "lv", "ru")
+                           for side in ("src.en", f"ref.{xx}")},
+}
+
+
+def test_every_member_is_in_the_archive_it_names():
+    """Every member a direction reads is one that public references name for the archive at that URL."""
+    for pair in PAIRS.values():
+        for name, members in prepare._pair_members(pair).items():
+            url = ARCHIVES[name].url
+            assert url in PUBLIC_MEMBERS, f"{pair.name}: no public member list for {url}"
+            missing = sorted(set(members) - PUBLIC_MEMBERS[url])
+            assert not missing, f"{pair.name}: {url} is not known to hold {missing}"
+    # the Latvian corpora come from the WMT17 copies: the WMT18 ones under the same names have no Latvian
+    lv = prepare._pair_members(PAIRS["wmt17_en_lv"])
+    for name, member in (("europarl_v8", "training/europarl-v8.lv-en.lv"), ("rapid2016", "rapid2016.en-lv.lv")):
+        assert member in lv[name] and "/wmt17/" in ARCHIVES[name].url
+        assert member not in PUBLIC_MEMBERS[ARCHIVES[name].url.replace("/wmt17/", "/wmt18/")]
+    assert ARCHIVES["europarl_v8"].checksum == ("md5", "07b77f254d189a5bfb7b43b7fc489716")
+    assert ARCHIVES["rapid2016"].checksum == ("md5", "17a3a1846433ad26acb95da02f93af93")
+
+
 def test_sizes_compared_with_table1():
     pair = PAIRS["wmt14_en_fr"]
     report, warnings = compare_with_table1(pair, {"train": (40_836_876, 35_762_532), "valid": (6003, 6003),
@@ -490,7 +584,7 @@ def test_prepare_wmt_script_exits_non_zero_on_an_unknown_task(tmp_path):
 def test_failed_download_names_the_url_and_the_fix(tmp_path, mirror, capsys):
     url, _ = mirror
     err = run_main(["wmt", "wmt17_en_lv", "--out", tmp_path / "x", "--mirror", url + "/missing"], capsys)
-    assert (f"download failed: {url}/missing/wmt18/translation-task/training-parallel-ep-v8.tgz: HTTP Error 404"
+    assert (f"download failed: {url}/missing/wmt17/translation-task/training-parallel-ep-v8.tgz: HTTP Error 404"
             in err)
     assert "pass its folder as --raw-dir" in err
     assert not list((tmp_path / "wmt17_en_lv.work" / "downloads").iterdir())  # no .part left behind

@@ -3,9 +3,10 @@ which members hold the text, and the sizes Table 1 reports.
 
 Training corpora follow fairseq's ``examples/translation/prepare-wmt14en2de.sh --icml17`` and
 ``prepare-wmt14en2fr.sh`` for WMT14, and the WMT17 constrained-task releases for WMT17 (the
-corpora tensorflow/datasets' ``wmt17_translate`` builder lists per pair). Member paths are as laid
-out inside the released archives. Both directions of a pair share one text copy, so every table
-entry is written once per pair, English first.
+corpora the WMT17 translation-task page and sockeye's autopilot list per pair). Member paths are
+as laid out inside the released archives (``tests/test_prepare.py`` checks every one against the
+names public preparation scripts use). Both directions of a pair share one text copy, so every
+table entry is written once per pair, English first.
 
 Checksums are the published ones: sha256 from tensorflow/datasets' ``url_checksums``
 (``wmt13_translate.txt``, ``wmt14_translate.txt``, ``wmt17_translate.txt``) and md5 from
@@ -98,10 +99,11 @@ class Pair:
 ARCHIVES = {
     "europarl_v7": Archive(f"{STATMT}/wmt13/training-parallel-europarl-v7.tgz",
                            sha256="0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7"),
-    # Europarl v8 and Rapid 2016 as the WMT18 page serves them (the files tensorflow/datasets'
-    # WMT17 builder downloads and pins); the WMT17 copies have no published checksum.
-    "europarl_v8": Archive(f"{DATA_STATMT}/wmt18/translation-task/training-parallel-ep-v8.tgz",
-                           sha256="953eaf7f24dcfc87eff6845d13ec6ca8acbee0ccf7edf4063b8b94e943933a96"),
+    # Europarl v8 and Rapid 2016 as the WMT17 page serves them, with Latvian. The WMT18 copies
+    # under the same names hold other pairs (tensorflow/datasets lists et and fi for both, and de
+    # for Rapid) and no Latvian. md5: sockeye's autopilot.
+    "europarl_v8": Archive(f"{DATA_STATMT}/wmt17/translation-task/training-parallel-ep-v8.tgz",
+                           md5="07b77f254d189a5bfb7b43b7fc489716"),
     "commoncrawl": Archive(f"{STATMT}/wmt13/training-parallel-commoncrawl.tgz",
                            sha256="c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5"),
     "un_wmt13": Archive(f"{STATMT}/wmt13/training-parallel-un.tgz",
@@ -114,8 +116,8 @@ ARCHIVES = {
                          sha256="3ff8319f6919393520559bfbc7ad6a747ec81b3abc7be9993b338d4b017b4d9a"),
     "wiki_titles_wmt15": Archive(f"{STATMT}/wmt15/wiki-titles.tgz",
                                  sha256="cd7cf81dbc99ef00b57e3106a4731b54cebcb7cff19088913cdab1c8114d3660"),
-    "rapid2016": Archive(f"{DATA_STATMT}/wmt18/translation-task/rapid2016.tgz",
-                         sha256="41557dd5d8f0ed3a6d98bce3b798b1a9d3b68361eb99d902329ddbb943a6b55a"),
+    "rapid2016": Archive(f"{DATA_STATMT}/wmt17/translation-task/rapid2016.tgz",
+                         md5="17a3a1846433ad26acb95da02f93af93"),
     "leta_v1": Archive(f"{DATA_STATMT}/wmt17/translation-task/leta.v1.tgz",
                        sha256="af3f1a4cbeb503a231856baa9f1fb06c628d43ebb78b6f35a4f71e0a53f60e49"),
     "dcep_lv_en": Archive(f"{DATA_STATMT}/wmt17/translation-task/dcep.lv-en.v1.tgz",
