@@ -139,7 +139,11 @@ def test_task_table_has_the_twelve_directions():
         (2_600_000, 8870, 3002), (4_500_000, 2003, 2001), (25_000_000, 8819, 3001)]
     # every archive that can be downloaded has its published checksum, except those named here
     unpinned = sorted(name for name, a in ARCHIVES.items() if a.checksum is None and not a.manual)
-    assert unpinned == ["un_v1_en_ru", "wmt14_dev", "wmt17_dev"]
+    assert unpinned == ["un_v1_en_ru"]
+    assert ARCHIVES["un_v1_en_ru"].reference[:2] == (
+        2_453_705_236, "f998570e7d60b87bf8648e50e854f150493eff4d7cf1133cf4781811bbe96566")
+    assert ARCHIVES["wmt14_dev"].checksum == ("md5", "88ba3fc60b2278d59277122e1c7dd6e7")
+    assert ARCHIVES["wmt17_dev"].checksum == ("md5", "9b1aa63c1cf49dccdd20b962fe313989")
 
 
 def _members(template, *pairs):
@@ -373,17 +377,19 @@ def server(tmp_path_factory):
 @pytest.fixture
 def mirror(fake_release, server, monkeypatch):
     """The fake release served under /release, its archives' checksums pinned (the WMT14 dev archive
-    keeps none, like the real one); yields (mirror URL, requests since the test started)."""
+    by md5, like the real one); yields (mirror URL, requests since the test started)."""
     url, root, requests, _ = server
     if not (root / "release").exists():
         shutil.copytree(fake_release / "mirror", root / "release")
     for name in PAIRS["wmt14_en_de"].archives():
         archive = ARCHIVES[name]
+        data = (root / "release" / archive.url.split("/", 3)[3]).read_bytes()
         if name != "wmt14_dev":
-            digest = hashlib.sha256((root / "release" / archive.url.split("/", 3)[3]).read_bytes()).hexdigest()
-            monkeypatch.setitem(ARCHIVES, name, dataclasses.replace(archive, sha256=digest, md5=None))
+            monkeypatch.setitem(ARCHIVES, name, dataclasses.replace(
+                archive, sha256=hashlib.sha256(data).hexdigest(), md5=None))
         else:
-            assert archive.checksum is None
+            assert archive.checksum[0] == "md5"
+            monkeypatch.setitem(ARCHIVES, name, dataclasses.replace(archive, md5=hashlib.md5(data).hexdigest()))
     monkeypatch.setattr(prepare, "RETRY_WAIT", 0.0)
     requests.clear()
     return url + "/release", requests
@@ -679,6 +685,38 @@ def test_archive_without_checksum_must_read_to_its_end(tmp_path, server):
     with pytest.raises(PrepareError, match="cut.tgz downloaded twice and still damaged: it does not read as an archive"):
         fetch(served_archive(server, "cut.tgz", whole[:len(whole) // 2]), tmp_path)
     assert not (tmp_path / "cut.tgz").exists() and not (tmp_path / "cut.tgz.part").exists()
+
+
+def test_unpinned_archive_is_compared_with_a_reference_copy_and_used_either_way(tmp_path, server, capsys):
+    """The UN corpus has no published checksum: the joined pieces are compared with the copy
+    tensorflow/datasets pins, the result is said in one line, and a good archive is used either way."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        add_member(tar, "en-ru/UNv1.0.en-ru.en", b"one\n" * 5000)
+    data = buffer.getvalue()
+    pieces = [data[:100], data[100:200], data[200:]]
+    for i, piece in enumerate(pieces):
+        served_archive(server, f"UNref.tar.gz.{i:02d}", piece)
+    url = server[0]
+    parts = tuple(f"{url}/files/UNref.tar.gz.{i:02d}" for i in range(3))
+    same = Archive(f"{url}/files/UNref.tar.gz", parts=parts,
+                   reference=(len(data), hashlib.sha256(data).hexdigest(), "the pinned copy"))
+    capsys.readouterr()
+    assert fetch(same, tmp_path / "a").read_bytes() == data
+    assert f"UNref.tar.gz matches the pinned copy: same size ({len(data):,} bytes) and sha256" in capsys.readouterr().err
+    for reference, difference in (((len(data), "0" * 64, "the pinned copy"), f"same size ({len(data):,} bytes) but "
+                                   f"sha256 {hashlib.sha256(data).hexdigest()}, not {'0' * 64}"),
+                                  ((2_453_705_236, "f" * 64, "the pinned copy"), f"{len(data):,} bytes, not 2,453,705,236")):
+        other = dataclasses.replace(same, reference=reference)
+        folder = tmp_path / str(reference[0]) / reference[1][:1]
+        assert fetch(other, folder).read_bytes() == data       # used: it reads to its end
+        log = capsys.readouterr().err
+        assert f"UNref.tar.gz does NOT match the pinned copy: {difference}. No checksum is published" in log
+        assert "damaged" not in log
+    assert prepare.compare_with_reference(tmp_path / "a" / "UNref.tar.gz", ARCHIVES["un_v1_en_ru"]) == (
+        f"UNv1.0.en-ru.tar.gz does NOT match tensorflow/datasets' copy (uncorpus_v1): {len(data):,} bytes, not "
+        "2,453,705,236. No checksum is published for this release and it reads to its end, so it is used; it is "
+        "not the copy others pinned")
 
 
 def test_split_archive_downloaded_in_parts_or_taken_from_raw_dir(tmp_path, server, capsys):

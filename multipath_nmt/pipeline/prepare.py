@@ -403,7 +403,25 @@ def archive_problem(path, archive):
                 pass
     except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError, PrepareError) as e:
         return f"it does not read as an archive ({e})"
+    if archive.reference:
+        log("  " + compare_with_reference(path, archive))
     return None
+
+
+def compare_with_reference(path, archive):
+    """Whether ``path`` is the copy that ``archive.reference`` (size, sha256, whose) describes, as a
+    sentence to log. Never an error: the reference is someone else's copy, not a published checksum."""
+    size, sha256, whose = archive.reference
+    found = path.stat().st_size
+    if found == size:
+        digest = file_digest(path, "sha256")
+        if digest == sha256:
+            return f"{archive.filename} matches {whose}: same size ({size:,} bytes) and sha256 ({sha256})"
+        difference = f"same size ({size:,} bytes) but sha256 {digest}, not {sha256}"
+    else:
+        difference = f"{found:,} bytes, not {size:,}"
+    return (f"{archive.filename} does NOT match {whose}: {difference}. No checksum is published for this "
+            "release and it reads to its end, so it is used; it is not the copy others pinned")
 
 
 def _content_range_total(response):

@@ -9,9 +9,11 @@ names public preparation scripts use). Both directions of a pair share one text 
 table entry is written once per pair, English first.
 
 Checksums are the published ones: sha256 from tensorflow/datasets' ``url_checksums``
-(``wmt13_translate.txt``, ``wmt14_translate.txt``, ``wmt17_translate.txt``) and md5 from
-sacreBLEU's dataset table for the test archives. ``None`` means no published checksum was found;
-such an archive is only checked for being a readable archive with the expected members.
+(``wmt13_translate.txt``, ``wmt14_translate.txt``, ``wmt17_translate.txt``), md5 from sacreBLEU's
+dataset table for the test archives, and md5 from sockeye's autopilot (``contrib/autopilot/tasks.py``)
+for the WMT17 copies of Europarl v8 and Rapid 2016 and for the two dev archives (sacreBLEU's
+``wmt17/dev`` pins the same md5 for the WMT17 one). ``None`` means no published checksum was
+found; such an archive is only checked for being a readable archive with the expected members.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -29,7 +31,9 @@ class Archive:
     (``url`` is then only the name of the joined file). ``sha256``/``md5``: the published checksum
     of the (joined) file, or None. ``manual``: why and how to fetch it by hand when it is behind a
     licence page (no automatic download then). ``page``: where to get it by hand when a download
-    fails.
+    fails. ``reference``: for a file without a published checksum, (size in bytes, sha256, whose)
+    of a copy someone else pinned; the file is compared with it and the result reported, never
+    required.
     """
     url: str
     sha256: Optional[str] = None
@@ -37,6 +41,7 @@ class Archive:
     parts: tuple = ()
     manual: str = ""
     page: str = ""
+    reference: Optional[tuple] = None
 
     @property
     def filename(self):
@@ -129,19 +134,21 @@ ARCHIVES = {
         manual="the Yandex 1M En-Ru corpus needs a licence agreement: download 1mcorpus.zip from "
                "https://translate.yandex.ru/corpus?lang=en and pass its folder as --raw-dir"),
     # The UN Parallel Corpus v1.0 (Ziemski et al., 2016), en-ru bitext, released in three pieces
-    # to be joined with cat. No checksum is published for the pieces or the joined file
-    # (tensorflow/datasets pins sha256 f998570e... for its own copy of the joined archive, which
-    # we cannot tie to the official pieces).
+    # to be joined with cat. No checksum is published for the pieces or the joined file;
+    # tensorflow/datasets pins its own copy of the joined archive (from its storage bucket), and
+    # the joined pieces are compared with that copy and the result reported.
     "un_v1_en_ru": Archive(
         f"{UN_CORPUS}/UNv1.0.en-ru.tar.gz",
         parts=tuple(f"{UN_CORPUS}/UNv1.0.en-ru.tar.gz.{i:02d}" for i in range(3)),
+        reference=(2_453_705_236, "f998570e7d60b87bf8648e50e854f150493eff4d7cf1133cf4781811bbe96566",
+                   "tensorflow/datasets' copy (uncorpus_v1)"),
         page="the UN Parallel Corpus v1.0 is distributed from https://www.un.org/dgacm/en/content/uncorpus "
              "(it has moved before, and its older site asked for a registration): download "
              "UNv1.0.en-ru.tar.gz.00, .01 and .02 (or their concatenation UNv1.0.en-ru.tar.gz) and pass "
              "their folder as --raw-dir"),
-    "wmt14_dev": Archive(f"{STATMT}/wmt14/dev.tgz"),
+    "wmt14_dev": Archive(f"{STATMT}/wmt14/dev.tgz", md5="88ba3fc60b2278d59277122e1c7dd6e7"),
     "wmt14_test": Archive(f"{STATMT}/wmt14/test-full.tgz", md5="a8cd784e006feb32ac6f3d9ec7eb389a"),
-    "wmt17_dev": Archive(f"{DATA_STATMT}/wmt17/translation-task/dev.tgz"),
+    "wmt17_dev": Archive(f"{DATA_STATMT}/wmt17/translation-task/dev.tgz", md5="9b1aa63c1cf49dccdd20b962fe313989"),
     "wmt17_test": Archive(f"{DATA_STATMT}/wmt17/translation-task/test.tgz", md5="86a1724c276004aa25455ae2a04cef26"),
 }
 
