@@ -430,6 +430,9 @@ def test_wmt_download_through_mirror_then_reverse_direction_reuses_text(tmp_path
     assert (f"wmt14_en_de sizes (sentence pairs): train {N_TRAIN * 3} -> {sizes['train']} after cleaning "
             f"(Table 1: 4,500,000); valid {N_VALID} (Table 1: 3,000); test {N_TEST} (Table 1: 3,003)") in log
     assert f"warning: wmt14_en_de valid has {N_VALID} sentence pairs, 99% below the paper's Table 1 (3,000)" in log
+    assert ("wmt14_en_de training size: Table 1's 4.5M matches this selection before cleaning (about 4.5M "
+            "pairs); the 1.5 length-ratio filter is expected to leave about 3.9-4.0M.") in log
+    assert "Google's preprocessed WMT16 En-De release" in log
     assert (out / "bpecodes").read_text().startswith("#version: 0.2\n")
     assert "@-@" in (out / "dict.en.txt").read_text(encoding="utf-8")
 

@@ -689,6 +689,8 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
               for split in SPLITS}
     report, warnings = compare_with_table1(pair, counts)
     log(f"{task} sizes (sentence pairs): {report}")
+    if pair.table1.variant:
+        log(f"{task} training size: {pair.table1.variant}")
     for warning in warnings:
         log(f"warning: {warning}")
     return result
