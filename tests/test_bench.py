@@ -105,20 +105,55 @@ def test_bench_trains_in_train_shs_precision(precision, monkeypatch):
     from multipath_nmt import recipe
     from multipath_nmt.benchmark import harness
 
-    class Built(Exception):
-        pass
+    built = []
 
     def build_trainer(data, flags, device, fp16, loop_reference=False):
-        raise Built(flags, fp16)
+        built.append((flags, fp16))
+        raise RuntimeError("stop here")
 
     monkeypatch.setattr(harness, "build_trainer", build_trainer)
-    with pytest.raises(Built) as built:
-        harness.run("tiny", "cpu", precision, only=["stock prenorm L"], padded=True,
-                    log=lambda message: None)
-    flags, fp16 = built.value.args
+    monkeypatch.setattr(harness, "layer_benchmarks", lambda *args, **kwargs: {})
+    result = harness.run("tiny", "cpu", precision, only=["stock prenorm L"], padded=True,
+                         log=lambda message: None)
+    assert result["systems"]["stock prenorm L"]["error"] == "RuntimeError: stop here"
+    [(flags, fp16)] = built
     expected = recipe.PRECISIONS[precision]
     assert flags[len(flags) - len(expected):] == expected  # last: they win
     assert not fp16 and "--fp16" not in flags
+
+
+def test_a_failing_system_is_reported_and_the_others_measured(tmp_path, monkeypatch):
+    """EWA crashed on CUDA (its token groups were made on the CPU): multipath-bench --device cuda
+    lost its whole report. A system that fails to build, train or have its memory probed is now a
+    row that says so."""
+    from multipath_nmt import benchmark
+    from multipath_nmt.benchmark import harness
+
+    real_build, real_probe = harness.build_trainer, harness.peak_memory_of_step
+
+    def build_trainer(data, flags, *args):
+        if "--arch" in flags and "ewa_transformer_wmt_en_de" in flags:
+            raise RuntimeError("Expected all tensors to be on the same device\nbut found cpu")
+        return real_build(data, flags, *args)
+
+    def peak_memory_of_step(flags, *args):
+        if "--parameternet-mode=dynamic" in flags:
+            raise RuntimeError("memory probe failed:\nKilled")
+        return real_probe(flags, *args)
+
+    monkeypatch.setattr(harness, "build_trainer", build_trainer)
+    monkeypatch.setattr(harness, "peak_memory_of_step", peak_memory_of_step)
+    systems = ["stock prenorm L", "EWA (E4, every-2)", "ParameterNet (dynamic, both)"]
+    result = benchmark.write_reports(
+        benchmark.run("tiny", "cpu", only=systems, log=lambda message: None), tmp_path)
+    rows = result["systems"]
+    assert rows["EWA (E4, every-2)"]["error"] == "RuntimeError: but found cpu"
+    assert rows["ParameterNet (dynamic, both)"]["peak_memory_error"] == "RuntimeError: Killed"
+    assert rows["ParameterNet (dynamic, both)"]["tokens_per_s"]["median"] > 0
+    assert rows["stock prenorm L"]["peak_memory_mib"] > 0
+    report = (tmp_path / "bench.md").read_text()
+    assert "| MoE | EWA (E4, every-2) | **failed: RuntimeError: but found cpu** |" in report
+    assert "| **probe failed** |" in report
 
 
 def test_bench_precision_flags_are_checked_before_anything_runs():

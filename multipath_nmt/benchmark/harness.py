@@ -59,39 +59,22 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
     with fake_data_dir(size["vocab"]) as data:
         built = {}
         for system in systems:
-            flags = [*fairseq_flags(size, system), *precision_flags]
-            trainer, task = build_trainer(data, flags, device, False, system.loop_reference)
-            if padded:
-                samples = padded_batches(task, trainer.model, size["batch"] * size["length"],
-                                         PADDED_BATCHES, mean_length=size["length"])
-                gemm_shapes.update(model_gemm_shapes(trainer, samples[0]))
-            else:
-                samples = [synthetic_batch(size, len(task.source_dictionary))]
-            sample = samples[0]
-            flops = sum(training_flops_per_token(trainer, s) * s["ntokens"]
-                        for s in samples) / tokens_of_steps(samples, len(samples))
-            profile = micro_batch_profile(trainer, sample)
-            for s in samples:  # warm-up: optimizer state, allocator, caches
-                trainer.train_step([s])
-            steps = steps_per_measurement(
-                size, sample["ntokens"] / time_train_steps(trainer, samples, 1, device))
-            params = sum(p.numel() for p in trainer.model.parameters())
-            inactive = sum(m.inactive_parameter_count() for m in trainer.model.modules()
-                           if hasattr(m, "inactive_parameter_count"))
-            built[system.name] = (trainer, task, samples, ForwardBackwardClock(trainer, device))
-            results[system.name] = dict(arch=system.arch, flags=system.flags, group=system.group,
-                                        compare_to=system.compare_to,
-                                        loop_reference=system.loop_reference, params=params,
-                                        active_params=params - inactive,
-                                        train_flops_per_token=flops, **profile,
-                                        steps_per_measurement=steps,
-                                        tokens_per_step=tokens_of_steps(samples, steps) / steps,
-                                        tokens_per_s=[],
-                                        forward_backward_s=[])
-            log(f"built {system.name}: {params / 1e6:.2f}M params, "
-                f"{flops / 1e6:.1f} MFLOP/token (fwd+bwd), {steps} steps per measurement, "
-                f"{profile['host_syncs']} host syncs per micro-batch")
-        if padded:
+            try:
+                built[system.name], results[system.name] = _build_and_warm_up(
+                    system, data, size, device, precision_flags, padded, gemm_shapes)
+            except Exception as error:  # a failed system is a finding; measure the others
+                results[system.name] = _failed(system, error)
+                log(f"{system.name} failed: {results[system.name]['error']}")
+                continue
+            r = results[system.name]
+            log(f"built {system.name}: {r['params'] / 1e6:.2f}M params, "
+                f"{r['train_flops_per_token'] / 1e6:.1f} MFLOP/token (fwd+bwd), "
+                f"{r['steps_per_measurement']} steps per measurement, "
+                f"{r['host_syncs']} host syncs per micro-batch")
+        systems = [s for s in systems if s.name in built]
+        if padded and not gemm_shapes:  # every system failed
+            peak = matmul_peak_flops(device, dtype)
+        elif padded:
             peak, best_shape = gemm_peak_flops(gemm_shapes, device, dtype, repeats=20)
             log(f"peak over the models' {len(gemm_shapes)} matrix product shapes ({dtype}): "
                 f"{peak / 1e9:.1f} GFLOP/s at (batch, m, k, n) = {best_shape}")
@@ -127,9 +110,13 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
     layers = layer_benchmarks(size, device, dtype, 3 * size["repeats"], log=log)
     if memory:
         for system in systems:
-            results[system.name]["peak_memory_mib"] = peak_memory_of_step(
-                [*fairseq_flags(size, system), *precision_flags], size, device, False,
-                system.loop_reference)
+            try:
+                results[system.name]["peak_memory_mib"] = peak_memory_of_step(
+                    [*fairseq_flags(size, system), *precision_flags], size, device, False,
+                    system.loop_reference)
+            except Exception as error:  # the other figures of the system stand
+                results[system.name]["peak_memory_error"] = _error_line(error)
+                log(f"{system.name}: memory probe failed: {_error_line(error)}")
     return {
         "size": size_name, "shape": size, "device": device,
         "dtype": str(dtype).replace("torch.", ""), "precision": precision,
@@ -144,3 +131,45 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
         "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results,
         "layers": layers,
     }
+
+
+def _error_line(error):
+    """The last line of an error's message, with its type: what a report row can show."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def _failed(system, error):
+    return dict(arch=system.arch, flags=system.flags, group=system.group,
+                compare_to=system.compare_to, loop_reference=system.loop_reference,
+                error=_error_line(error))
+
+
+def _build_and_warm_up(system, data, size, device, precision_flags, padded, gemm_shapes):
+    """A system's trainer built, profiled and warmed up: (what the timing loops need, its row)."""
+    flags = [*fairseq_flags(size, system), *precision_flags]
+    trainer, task = build_trainer(data, flags, device, False, system.loop_reference)
+    if padded:
+        samples = padded_batches(task, trainer.model, size["batch"] * size["length"],
+                                 PADDED_BATCHES, mean_length=size["length"])
+        gemm_shapes.update(model_gemm_shapes(trainer, samples[0]))
+    else:
+        samples = [synthetic_batch(size, len(task.source_dictionary))]
+    sample = samples[0]
+    flops = sum(training_flops_per_token(trainer, s) * s["ntokens"]
+                for s in samples) / tokens_of_steps(samples, len(samples))
+    profile = micro_batch_profile(trainer, sample)
+    for s in samples:  # warm-up: optimizer state, allocator, caches
+        trainer.train_step([s])
+    steps = steps_per_measurement(
+        size, sample["ntokens"] / time_train_steps(trainer, samples, 1, device))
+    params = sum(p.numel() for p in trainer.model.parameters())
+    inactive = sum(m.inactive_parameter_count() for m in trainer.model.modules()
+                   if hasattr(m, "inactive_parameter_count"))
+    row = dict(arch=system.arch, flags=system.flags, group=system.group,
+               compare_to=system.compare_to, loop_reference=system.loop_reference, params=params,
+               active_params=params - inactive, train_flops_per_token=flops, **profile,
+               steps_per_measurement=steps,
+               tokens_per_step=tokens_of_steps(samples, steps) / steps,
+               tokens_per_s=[], forward_backward_s=[])
+    return (trainer, task, samples, ForwardBackwardClock(trainer, device)), row

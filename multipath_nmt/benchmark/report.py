@@ -19,7 +19,8 @@ def machine_description(device):
 
 def _ratio(result, name, other, key="tokens_per_s"):
     systems = result["systems"]
-    if name not in systems or other not in systems or key not in systems[name]:
+    if name not in systems or other not in systems or key not in systems[name] \
+            or key not in systems[other]:
         return None
     return systems[name][key]["median"] / systems[other][key]["median"]
 
@@ -46,11 +47,11 @@ def evaluate_targets(result):
            _ratio(result, "multi-path L x 4 (full)", "multi-path L x 4 (loop reference)"), 1.05)
     systems = result["systems"]
     stock = systems.get("stock prenorm L")
-    if stock:
+    if stock and "mfu" in stock:
         # the toolkit's architectures; the other fairseq transformers (deep, wider FFN) and the
         # loop reference are yardsticks, their MFU is shown in the table
         for name, row in systems.items():
-            if row["arch"] != stock["arch"] and not row.get("loop_reference"):
+            if row["arch"] != stock["arch"] and not row.get("loop_reference") and "mfu" in row:
                 target(4, f"MFU of {name} vs stock fairseq", row["mfu"] / stock["mfu"], 0.95)
     target(5, "MoE router + dispatch + combine, fraction of the experts' time",
            result["layers"]["moe"]["routing_overhead_fraction"], 0.15, higher_is_better=False)
@@ -92,11 +93,15 @@ def markdown_report(result):
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result["systems"].items():
+        if "error" in r:
+            lines.append(f"| {r['group']} | {name} | **failed: {r['error']}** |" + " |" * 10)
+            continue
         ratio = _ratio(result, name, r["compare_to"]) if r["compare_to"] else None
         versus = "" if ratio is None else f"{ratio:.2f}x {r['compare_to']}"  # None: not measured
         beam = _spread(r["beam_sentences_per_s"], fmt="{:.1f}") if "beam_sentences_per_s" in r \
             else ""
-        memory = f"{r['peak_memory_mib']:.0f}" if "peak_memory_mib" in r else ""
+        memory = (f"{r['peak_memory_mib']:.0f}" if "peak_memory_mib" in r else
+                  "**probe failed**" if "peak_memory_error" in r else "")
         lines.append(
             f"| {r['group']} | {name} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M "
             f"| {r['train_flops_per_token'] / 1e6:.1f} | {_spread(r['tokens_per_s'])} | {versus} "
@@ -134,7 +139,7 @@ def plot_report(result, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(result["systems"])
+    names = [n for n, r in result["systems"].items() if "error" not in r]
     rates = [result["systems"][n]["tokens_per_s"] for n in names]
     medians = [r["median"] for r in rates]
     errors = [[m - r["min"] for m, r in zip(medians, rates)],
