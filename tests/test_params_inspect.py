@@ -10,6 +10,7 @@ import multipath_nmt.analysis.widenet as widenet
 from multipath_nmt.analysis.paths import path_diversity, path_weight_rows
 from multipath_nmt.cli import inspect as inspect_cli
 from multipath_nmt import params
+from multipath_nmt.modules.parameternet import DynamicLinear
 from multipath_nmt.cli import params as params_cli
 
 SMALL_DICT = 1000
@@ -53,6 +54,34 @@ def test_params_table_counts_and_flops(capsys):
     assert float(rows[archs[1]][0]) == pytest.approx(float(rows[archs[2]][0]), rel=1e-3)
     assert multipath == pytest.approx(deep, rel=0.01)
     assert multipath > 1.2 * float(rows[archs[0]][2])
+
+
+def test_dynamic_parameternet_flops_are_the_methods():
+    """ParameterNet's premise: M times the parameters at nearly the same FLOPs (W' built per
+    sentence, then one product per token). Our layer makes M products per token instead; the
+    table counts the method's products, the coefficient MLP included."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dense, dynamic = (params.build_model(arch, SMALL_DICT) for arch in (
+        "transformer_prenorm_wmt_en_de", "parameternet_transformer_wmt_en_de"))
+    method = params.forward_flops_per_token(dynamic)
+    assert 1.0 < method / params.forward_flops_per_token(dense) < 1.15
+    dynamic = dynamic.to_empty(device="cpu").eval()
+    length = params.FLOP_SEQUENCE_LENGTH
+    tokens = torch.randint(4, SMALL_DICT, (1, length))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        dynamic(tokens, torch.tensor([length]), tokens)
+    layers = [m for m in dynamic.modules() if isinstance(m, DynamicLinear)]
+    in_out = [m.weight.shape[0] * m.weight.shape[2] for m in layers]
+    experts = layers[0].num_experts
+    # as run: M products per token (and the M biases mixed per token); the method: M matrices
+    # mixed once for the sentence, then one product per token
+    as_run_products = sum(2 * io * experts * length + 2 * experts * m.weight.shape[2] * length
+                          for io, m in zip(in_out, layers))
+    method_products = sum(2 * io * (length + experts) for io in in_out)
+    assert method * length == pytest.approx(
+        counter.get_total_flops() - as_run_products + method_products, rel=1e-9)
 
 
 # Table 3 (WMT14 En-Fr) and Tables 2/3 (En-De, De-En), in millions. En-Fr: separate dictionaries

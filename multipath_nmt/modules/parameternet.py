@@ -110,6 +110,14 @@ class DynamicLinear(nn.Module):
         """W_i [in, out]."""
         return self.weight[:, index]
 
+    def method_matmul_flops(self, tokens, sentences):
+        """The matrix-product FLOPs of ParameterNet's Eq. 3 for ``tokens`` tokens in
+        ``sentences`` sentences, without the coefficient MLP: each sentence's W' = sum_i alpha_i
+        W_i (2 M in out), then one product per token (2 in out). :meth:`forward` computes M
+        products per token instead (the class docstring says why)."""
+        in_features, num_experts, out_features = self.weight.shape
+        return 2 * in_features * out_features * (tokens + sentences * num_experts)
+
     def mixing_weights(self, x, padding_mask):
         """alpha [B, M], computed in fp32 (or x's dtype if wider)."""
         logits = self.coefficients(masked_mean(x, padding_mask))
