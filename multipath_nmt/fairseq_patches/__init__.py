@@ -36,6 +36,13 @@ checkpoints       ``checkpoint_utils.load_checkpoint_to_cpu``                 on
                   ``checkpoint_utils.load_model_ensemble_and_task``           shape
                   ``sys.excepthook``                                          an uncaught ``CheckpointError`` is one line, no      any           tests/test_checkpoints.py::test_console_scripts_say_one_line
                                                                               traceback
+data_bins         ``TranslationTask.setup_task``                              a missing or malformed ``dict.<lang>.txt`` was a     fairseq 0.12  tests/test_data_checks.py::test_fairseq_train_says_one_line_before_the_first_update
+                                                                              traceback; checked as fairseq reads it, one line                   tests/test_data_checks.py::test_fairseq_generate_says_one_line
+                  ``TranslationTask.load_dataset``                            a damaged data-bin (``.idx``/``.bin``, counts, ids   fairseq 0.12  tests/test_data_checks.py::test_fairseq_train_says_one_line_before_the_first_update
+                                                                              past the dictionary) failed mid-epoch with a                       tests/test_data_checks.py::test_fairseq_generate_says_one_line
+                                                                              traceback; checked before the first update                         tests/test_data_checks.py::test_check_split_tells_each_damage_apart
+                  ``sys.excepthook``                                          an uncaught ``DataBinError`` is one line, no         any           tests/test_data_checks.py::test_fairseq_generate_says_one_line
+                                                                              traceback
 distributed       ``distributed.utils._infer_torch_distributed_launch_init``  ``torchrun`` without CUDA: ZeroDivisionError in      fairseq 0.12  tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
                                                                               fairseq's device choice
                   ``distributed_fairseq_model.DistributedDataParallel``       torch's DDP refuses ``device_ids`` for CPU modules   any           tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
@@ -63,7 +70,9 @@ ewa_trainer       ``Trainer.train_step``,                                     EW
 
 Order: the modules are installed in the order of :data:`MODULES`. ``Trainer.__init__`` is wrapped
 by numerics, then mixed_precision, and ``options.parse_args_and_arch`` by help_flags, then
-mixed_precision; the wrappers of each pair look at different flags. ``Trainer.train_step`` is
+mixed_precision; the wrappers of each pair look at different flags. ``sys.excepthook`` by
+checkpoints, then data_bins (each prints its own error class on one line and passes anything else
+on). ``Trainer.train_step`` is
 wrapped twice: numerics first (inner), then ewa_trainer (outer), as before this package existed.
 Either order gives the same training (the EWA flag only has to be set while fairseq's
 ``train_step`` runs, and is cleared in a ``finally`` whatever numerics raises or skips); the order
@@ -71,11 +80,11 @@ is fixed so that every process and every traceback has the same stack.
 ``tests/test_fairseq_patches.py`` checks the order, that a second :func:`install` wraps nothing
 again, and that every test named above exists.
 """
-from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, distributed,
-                                           ewa_trainer, help_flags, mixed_precision, numerics,
-                                           torch_compat)
+from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, data_bins,
+                                           distributed, ewa_trainer, help_flags, mixed_precision,
+                                           numerics, torch_compat)
 
-MODULES = (torch_compat, help_flags, batching, checkpoints, distributed, numerics,
+MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distributed, numerics,
            mixed_precision, attention, ewa_trainer)
 
 
