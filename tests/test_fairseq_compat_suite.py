@@ -14,12 +14,16 @@ are in no package; ``scripts/fairseq-tests.sh`` runs them, ``docs/fairseq-tests.
   fairseq builds outside ``TransformerModelBase.build_model`` (RoBERTa's encoder-decoder) gave a
   full pass that differed in the last bits from incremental decoding, because every
   encoder-decoder attention took the SDPA path.
+
+And the script itself: it tells a test that passes only without the plug-in from one that passes
+only with it.
 """
+import sys
 from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
-from conftest import TINY_MODEL
+from conftest import ROOT, TINY_MODEL, clean_env, run_cli
 from omegaconf import OmegaConf
 
 from fairseq import checkpoint_utils, options
@@ -222,3 +226,26 @@ def test_finetune_from_model_with_a_checkpoint_last_resumes_it(fairseqs_file_sys
     assert not (reset_optimizer or reset_lr_scheduler)
     assert not trainer.load_checkpoint.call_args[1]["reset_meters"]
 
+
+
+# --- scripts/fairseq-tests.sh ---------------------------------------------------------------
+
+def test_fairseq_tests_script_names_what_passes_only_without_or_only_with_the_plug_in(tmp_path):
+    checkout = tmp_path / "fairseq"
+    (checkout / "tests").mkdir(parents=True)
+    (checkout / "tests" / "__init__.py").write_text("")
+    (checkout / "tests" / "test_probe.py").write_text(
+        "import sys\n\n\n"
+        "def test_without_the_plug_in():\n    assert 'multipath_nmt' not in sys.modules\n\n\n"
+        "def test_with_the_plug_in():\n    assert 'multipath_nmt' in sys.modules\n\n\n"
+        "def test_either():\n    pass\n")
+    proc = run_cli(["bash", ROOT / "scripts" / "fairseq-tests.sh", checkout], check=False,
+                   env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out")))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "plain:   1 failed, 2 passed" in proc.stdout
+    assert "plug-in: 1 failed, 2 passed" in proc.stdout
+    assert ("passes only without the plug-in (a regression): "
+            "tests/test_probe.py::test_without_the_plug_in") in proc.stdout
+    assert "passes only with the plug-in: tests/test_probe.py::test_with_the_plug_in" in proc.stdout
+    assert (tmp_path / "out" / "plain.passed").read_text().splitlines() == [
+        "tests/test_probe.py::test_either", "tests/test_probe.py::test_without_the_plug_in"]

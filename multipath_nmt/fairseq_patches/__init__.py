@@ -79,6 +79,10 @@ Either order gives the same training (the EWA flag only has to be set while fair
 is fixed so that every process and every traceback has the same stack.
 ``tests/test_fairseq_patches.py`` checks the order, that a second :func:`install` wraps nothing
 again, and that every test named above exists.
+
+fairseq's own test suite, run plain and with these patches installed
+(``scripts/fairseq-tests.sh``, ``docs/fairseq-tests.md``), has no test that passes only
+without them; ``tests/test_fairseq_compat_suite.py`` keeps the cases that once did.
 """
 from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, data_bins,
                                            distributed, ewa_trainer, help_flags, mixed_precision,
