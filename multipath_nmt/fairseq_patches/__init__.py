@@ -66,6 +66,14 @@ attention         ``MultiheadAttention.forward``                              ma
                                                                                                                                                  tests/test_fairseq_compat_suite.py::test_decoder_built_outside_build_model_computes_fairseqs_numbers
 ewa_trainer       ``Trainer.train_step``,                                     EWA averages after every optimizer step; fairseq     fairseq 0.12  tests/test_ewa.py::test_hook_runs_only_on_real_steps
                   ``Trainer.set_num_updates``                                 has no after-step hook                                             tests/test_ewa.py::test_fairseq_train_averages_after_every_update_in_half_precision
+preemption        ``fairseq_cli.train.train``                                 SIGTERM/SIGUSR1 killed the run, SIGINT gave a        fairseq 0.12  tests/test_preemption.py::test_sigusr1_and_sigint_stop_the_same_way
+                                                                              traceback, and nothing was saved: handlers record
+                                                                              the signal
+                  ``fairseq_cli.train.validate_and_save``                     after the update in flight, all ranks agree, save    fairseq 0.12  tests/test_preemption.py::test_sigterm_at_a_random_update_then_resume_is_bit_exact
+                                                                              ``checkpoint_last.pt`` with the iterator position                  tests/test_preemption.py::test_two_ranks_stop_after_the_same_update_when_one_is_signalled
+                                                                              and exit with 128 + the signal's number                            tests/test_preemption.py::test_signals_during_the_save_change_nothing
+                  ``checkpoint_utils.save_checkpoint``                        records the last update saved, so that a stop does   fairseq 0.12  tests/test_preemption.py::test_two_ranks_stop_after_the_same_update_when_one_is_signalled
+                                                                              not save the same update twice
 ================  ==========================================================  ===================================================  ============  =================================================================================================
 
 Order: the modules are installed in the order of :data:`MODULES`. ``Trainer.__init__`` is wrapped
@@ -86,10 +94,10 @@ without them; ``tests/test_fairseq_compat_suite.py`` keeps the cases that once d
 """
 from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, data_bins,
                                            distributed, ewa_trainer, help_flags, mixed_precision,
-                                           numerics, torch_compat)
+                                           numerics, preemption, torch_compat)
 
 MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distributed, numerics,
-           mixed_precision, attention, ewa_trainer)
+           mixed_precision, attention, ewa_trainer, preemption)
 
 
 def install():

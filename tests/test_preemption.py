@@ -1,0 +1,132 @@
+"""SIGTERM, SIGUSR1 or SIGINT during ``fairseq-train``: the update in flight is finished,
+checkpoint_last.pt is saved with the iterator position, the process exits with 128 + the signal's
+number, and the same command resumes bit-exactly (multipath_nmt/fairseq_patches/preemption.py).
+
+Stock fairseq 0.12 dies at once on SIGTERM and SIGUSR1 and with a KeyboardInterrupt traceback on
+SIGINT, and saves nothing. The runs below save no checkpoint of their own between epoch ends
+(``--no-epoch-checkpoints``, no ``--save-interval-updates``), so whatever the resume starts from
+was saved because of the signal.
+"""
+import random
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from helpers.signals import run_and_signal
+from helpers.training import (SMALL_BATCHES, assert_same_tensors, comparable_command,
+                              load_model_state, run, train_command)
+
+pytestmark = pytest.mark.slow
+
+# The toy corpus makes 38 batches of SMALL_BATCHES per epoch: a signal may land in epoch 1 or 2.
+MAX_UPDATE = 50
+FLAGS = [*SMALL_BATCHES, "--max-update", MAX_UPDATE, "--no-epoch-checkpoints"]
+SAVE_DURING_SAVE = Path(__file__).parent / "helpers" / "train_with_signals_during_save.py"
+
+
+def _stopped_at(output, save_dir, signum, code):
+    """The update the run stopped after, checked against its last line and its checkpoint."""
+    assert code == 128 + signum, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    name = signal.Signals(signum).name
+    lines = [line for line in output.splitlines() if f"| {name}: stopped after update" in line]
+    assert len(lines) == 1, output[-4000:]
+    _, updates = load_model_state(save_dir / "checkpoint_last.pt")
+    assert f"{name}: stopped after update {updates} (epoch " in lines[0]
+    assert lines[0].endswith(f"saved {save_dir / 'checkpoint_last.pt'} for an exact resume (run the "
+                             f"same command); exiting with status {128 + signum}")
+    assert 0 < updates < MAX_UPDATE
+    return updates
+
+
+def _resume_and_compare(command, save_dir, updates, reference):
+    resumed = run(command)
+    assert f"Loaded checkpoint {save_dir / 'checkpoint_last.pt'} (epoch " in resumed
+    assert f" @ {updates} updates)" in resumed
+    expected, expected_updates = load_model_state(reference / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(save_dir / "checkpoint_last.pt")
+    assert actual_updates == expected_updates == MAX_UPDATE
+    assert_same_tensors(actual, expected)
+
+
+@pytest.mark.parametrize("model", ["baseline", "multipath"])
+def test_sigterm_at_a_random_update_then_resume_is_bit_exact(model, toy_data_bin, tmp_path):
+    at = random.Random(f"sigterm {model}").randint(3, MAX_UPDATE - 6)
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs alongside
+        reference = pool.submit(run, train_command(toy_data_bin, tmp_path / "uninterrupted",
+                                                   model, *FLAGS))
+        command = train_command(toy_data_bin, tmp_path / "stopped", model, *FLAGS)
+        code, output = run_and_signal(command, at, signal.SIGTERM)
+        updates = _stopped_at(output, tmp_path / "stopped", signal.SIGTERM, code)
+        assert updates >= at
+        reference.result()
+    _resume_and_compare(command, tmp_path / "stopped", updates, tmp_path / "uninterrupted")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])
+def test_sigusr1_and_sigint_stop_the_same_way(signum, toy_data_bin, tmp_path):
+    command = train_command(toy_data_bin, tmp_path / "stopped", "baseline", *FLAGS)
+    code, output = run_and_signal(command, 4, signum)
+    assert _stopped_at(output, tmp_path / "stopped", signum, code) >= 4
+    assert "KeyboardInterrupt" not in output
+
+
+def test_signals_during_the_save_change_nothing(toy_data_bin, tmp_path):
+    """A SIGTERM and a SIGINT arrive while checkpoint_last.pt is being written (after its bytes,
+    before its rename): both are logged and ignored, the save completes, and the resume is
+    exact."""
+    at = random.Random("second signal").randint(3, MAX_UPDATE - 6)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run, train_command(toy_data_bin, tmp_path / "uninterrupted",
+                                                   "baseline", *FLAGS))
+        command = [sys.executable, str(SAVE_DURING_SAVE),
+                   *train_command(toy_data_bin, tmp_path / "stopped", "baseline", *FLAGS)[3:]]
+        code, output = run_and_signal(command, at, signal.SIGTERM)
+        updates = _stopped_at(output, tmp_path / "stopped", signal.SIGTERM, code)
+        reference.result()
+    for name in ("SIGTERM", "SIGINT"):
+        assert f"{name} received again: ignored, training is already stopping" in output
+    assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["checkpoint_last.pt"]
+    _resume_and_compare(train_command(toy_data_bin, tmp_path / "stopped", "baseline", *FLAGS),
+                        tmp_path / "stopped", updates, tmp_path / "uninterrupted")
+
+
+TORCHRUN_TIMEOUT = 300
+RANK_FLAGS = [*SMALL_BATCHES, "--max-update", 16, "--no-epoch-checkpoints"]
+
+
+def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin, tmp_path):
+    """SIGTERM reaches rank 1 only (which saves nothing itself): both ranks agree on the update,
+    rank 0 saves, both exit 143; the resumed 2-rank run ends where one process with
+    --update-freq 2 ends that was never interrupted (tests/test_distributed.py)."""
+    ddp = tmp_path / "ddp"
+    command = comparable_command(toy_data_bin, ddp, "multipath", *RANK_FLAGS, ranks=2)
+    at = random.Random("two ranks").randint(3, 10)
+    code, output = run_and_signal(command, at, signal.SIGTERM, rank=1, timeout=TORCHRUN_TIMEOUT)
+    assert code == 1  # torchrun reports its workers' status as a failure
+    assert output.count("exitcode  : 143") == 2, output[-4000:]
+    _, updates = load_model_state(ddp / "checkpoint_last.pt")
+    assert at <= updates < 16
+    assert f"SIGTERM: stopped after update {updates} " in output
+    dumps = sorted(p.name for p in ddp.glob("rank*-update*.pt"))
+    assert dumps == [f"rank0-update{updates}.pt", f"rank1-update{updates}.pt"]  # the same update
+    assert_same_tensors(load_state(ddp / f"rank1-update{updates}.pt"),
+                        load_state(ddp / f"rank0-update{updates}.pt"))
+
+    resumed = run(command, timeout=TORCHRUN_TIMEOUT)
+    assert f"(epoch 1 @ {updates} updates)" in resumed
+    run(comparable_command(toy_data_bin, tmp_path / "single", "multipath", *RANK_FLAGS,
+                           "--update-freq", 2))
+    expected, _ = load_model_state(tmp_path / "single" / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(ddp / "checkpoint_last.pt")
+    assert actual_updates == 16
+    assert_same_tensors(actual, expected)
+
+
+def load_state(path):
+    import torch
+
+    return torch.load(path)
