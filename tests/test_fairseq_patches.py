@@ -89,3 +89,34 @@ def test_the_table_lists_every_patch_module():
     for module in fairseq_patches.MODULES:
         short = module.__name__.rsplit(".", 1)[1]
         assert re.search(rf"^{short}  ", fairseq_patches.__doc__, re.M), short
+
+
+def test_the_switch_turns_every_patch_off(tmp_path):
+    """MULTIPATH_NMT_PATCHES=off: none of the attributes the patches replace is wrapped, the
+    plug-in's models still register, and a wrong value is refused in one line."""
+    import subprocess
+
+    from conftest import clean_env
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(TESTS)!r})\n"
+        "import multipath_nmt\n"
+        "from fairseq.models import ARCH_MODEL_REGISTRY\n"
+        "from multipath_nmt.fairseq_patches.wrapping import patches_of\n"
+        "from test_fairseq_patches import _patched_attributes\n"
+        "print(sum(len(patches_of(getattr(o, n))) for o, n in _patched_attributes()),\n"
+        "      'multipath_transformer_wmt_en_de' in ARCH_MODEL_REGISTRY)\n")
+    runs = {}
+    for value in ("off", "on", "no"):
+        runs[value] = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True,
+                                     env=clean_env(MULTIPATH_NMT_PATCHES=value))
+    assert runs["off"].returncode == 0 and runs["off"].stdout.split() == ["0", "True"]
+    assert "MULTIPATH_NMT_PATCHES=off: fairseq runs without the plug-in's patches" in \
+        runs["off"].stderr
+    wrapped, registered = runs["on"].stdout.split()
+    assert int(wrapped) >= len(_patched_attributes()) and registered == "True"
+    assert runs["no"].returncode != 0
+    assert "ValueError: MULTIPATH_NMT_PATCHES must be 'on' or 'off', got 'no'" in runs["no"].stderr
+

@@ -82,6 +82,10 @@ def markdown_report(result):
         "",
         f"Command: `{result['command']}`",
         "",
+        "\"stock\" rows are fairseq's own Transformer in this process, where the plug-in's "
+        "patches are installed (`multipath_nmt/fairseq_patches`); among them, fairseq's "
+        "attention calls `scaled_dot_product_attention`.",
+        "",
         f"Training rates: median [min-max] over {result['shape']['repeats']} round-robin repeats, "
         f"each measurement at least {result['shape']['steps']} step(s) and "
         f"{result['shape']['measure_seconds']:g} s of the clock (`steps_per_measurement` in "

@@ -8,6 +8,9 @@ calls, when it is more than the wiring, is library code outside this package
 (:mod:`multipath_nmt.checkpoints`, :mod:`multipath_nmt.ewa_training`,
 :mod:`multipath_nmt.atomic_files`).
 
+``MULTIPATH_NMT_PATCHES=off`` in the environment installs none of them (:data:`SWITCH`): fairseq
+as it ships, for debugging and for measuring stock fairseq; the models still register.
+
 Tested with fairseq 0.12.3 and torch 2.13. "fairseq 0.12" below means the 0.12 series (the last
 release); "any" means every torch that setup.py allows (>= 2.1).
 
@@ -92,6 +95,9 @@ fairseq's own test suite, run plain and with these patches installed
 (``scripts/fairseq-tests.sh``, ``docs/fairseq-tests.md``), has no test that passes only
 without them; ``tests/test_fairseq_compat_suite.py`` keeps the cases that once did.
 """
+import logging
+import os
+
 from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, data_bins,
                                            distributed, ewa_trainer, help_flags, mixed_precision,
                                            numerics, preemption, torch_compat)
@@ -100,7 +106,25 @@ MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distribut
            mixed_precision, attention, ewa_trainer, preemption)
 
 
+# ``MULTIPATH_NMT_PATCHES=off`` installs none of the patches: fairseq runs as it ships, for
+# debugging and for measuring stock fairseq. The models still register; what the patches fix
+# is broken again (on torch >= 2.6 no checkpoint loads, --amp unscales twice, ...).
+SWITCH = "MULTIPATH_NMT_PATCHES"
+
+
+def enabled():
+    """Whether the patches are to be installed (``MULTIPATH_NMT_PATCHES`` is not ``off``)."""
+    value = os.environ.get(SWITCH, "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"{SWITCH} must be 'on' or 'off', got {value!r}")
+    return value == "on"
+
+
 def install():
-    """Put every patch in place (idempotent)."""
+    """Put every patch in place (idempotent), unless ``MULTIPATH_NMT_PATCHES=off``."""
+    if not enabled():
+        logging.getLogger(__name__).warning(
+            "%s=off: fairseq runs without the plug-in's patches", SWITCH)
+        return
     for module in MODULES:
         module.install()
