@@ -21,7 +21,8 @@ setup(
         "matplotlib>=3.7",
     ],
     # import-linter checks the layering of docs/architecture.md (.importlinter, make test)
-    extras_require={"test": ["pytest>=7", "import-linter>=2.5"]},
+    # ctranslate2: the CTranslate2 round trip of tests/test_serving.py (docs/serving.md)
+    extras_require={"test": ["pytest>=7", "import-linter>=2.5", "ctranslate2>=4"]},
     entry_points={
         "console_scripts": [
             "multipath-average=multipath_nmt.cli.average:main",
@@ -33,6 +34,7 @@ setup(
             "multipath-bench=multipath_nmt.cli.bench:main",
             "multipath-prepare=multipath_nmt.cli.prepare:main",
             "multipath-make-corpus=multipath_nmt.cli.make_corpus:main",
+            "multipath-ctranslate2=multipath_nmt.cli.ctranslate2:main",
         ]
     },
 )

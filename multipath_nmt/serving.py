@@ -1,0 +1,148 @@
+"""Serving a trained model outside fairseq's Python generator: CTranslate2 (the library of
+``multipath-ctranslate2``) and what TorchScript can script (``docs/serving.md``).
+
+CTranslate2 (``pip install ctranslate2``) runs fairseq's own ``transformer`` model: the plug-in's
+dense architectures (``transformer_prenorm_wmt_en_de``, ``transformer_deep*_wmt_en_de``,
+``transformer_wide_wmt_en_de``) and an EWA model folded by ``multipath-convert-ewa``.
+:func:`convert_to_ctranslate2` reads the checkpoint with the plug-in's one reader
+(:func:`multipath_nmt.checkpoints.read_checkpoint`: one clear line for every way a file fails),
+refuses the models CTranslate2 cannot express (:func:`ctranslate2_obstacle` says why), and hands
+CTranslate2's own fairseq converter the checkpoint in the layout it reads (the model config as
+``args``; a folded EWA checkpoint keeps it as a plain dict, which the converter does not take).
+:func:`translate` runs the converted model on subword-tokenized sentences with fairseq-generate's
+search settings, so that its output is fairseq-generate's (tests/test_serving.py).
+"""
+import argparse
+import os
+import tempfile
+import time
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+
+from multipath_nmt.checkpoints import architecture, model_config, read_checkpoint
+
+
+class NotServable(ValueError):
+    """A model that the serving runtime cannot run; the message says why, in one line."""
+
+
+# What CTranslate2's encoder-decoder Transformer (TransformerSpec, ctranslate2 4.x) cannot
+# express: one self-attention (and one encoder-decoder attention) and one dense FFN per layer,
+# each layer with weights of its own.
+CTRANSLATE2_LIMITS = {
+    "multipath_transformer": (
+        "every sublayer sums n parallel paths (attentions or FFNs), each through its own PathNorm "
+        "(a LayerNorm at the end of each path), with learned path weights and, with "
+        "--cheap-features, the averages of the other paths; a CTranslate2 layer has one "
+        "attention and one FFN and no normalization between a sublayer and the residual sum"),
+    "widenet_transformer": (
+        "the encoder shares one attention and one top-k routed mixture-of-experts FFN across "
+        "its layers; CTranslate2's encoder-decoder layers have a dense FFN only, no router and "
+        "no experts"),
+}
+MOE_LIMITS = {
+    "ewa": ("an EWA model is a dense Transformer once its experts are averaged: fold it first "
+            "with multipath-convert-ewa, then convert the folded checkpoint"),
+    "parameternet": (
+        "ParameterNet's FFN mixes its M weight matrices per sentence (dynamic) or routes each "
+        "token to one (routed), with a learned router; CTranslate2's FFN has one fixed weight "
+        "matrix per projection"),
+    "moe": ("a routed mixture-of-experts FFN (a router picking experts per token): "
+            "CTranslate2's encoder-decoder layers have a dense FFN only"),
+}
+
+
+def _setting(cfg, key):
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+
+
+def _model_name(model_cfg):
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    arch = _setting(model_cfg, "arch") or _setting(model_cfg, "_name")
+    return ARCH_MODEL_NAME_REGISTRY.get(arch, arch)
+
+
+def ctranslate2_obstacle(model_cfg) -> Optional[str]:
+    """Why CTranslate2 cannot run the model of ``model_cfg`` (a checkpoint's ``cfg.model`` or
+    ``args``), or None for fairseq's ``transformer`` (CTranslate2's converter checks the rest:
+    activation, matching pre-norm settings, positional embeddings)."""
+    name = _model_name(model_cfg)
+    if name in CTRANSLATE2_LIMITS:
+        return CTRANSLATE2_LIMITS[name]
+    if name == "moe_transformer":
+        ffn = _setting(model_cfg, "encoder_ffn")
+        if ffn == "ewa" and _setting(model_cfg, "ewa_stop_at") is not None:
+            return ("an early-EWA model keeps a routed mixture of experts at inference "
+                    "(--ewa-stop-at): " + MOE_LIMITS["moe"])
+        return MOE_LIMITS.get(ffn, "moe_transformer with encoder FFN "
+                                   f"{ffn!r} is not a model CTranslate2's converter knows")
+    return None
+
+
+def _as_namespace(model_cfg):
+    if isinstance(model_cfg, argparse.Namespace):
+        return argparse.Namespace(**vars(model_cfg))
+    if isinstance(model_cfg, dict):
+        return argparse.Namespace(**model_cfg)
+    from omegaconf import OmegaConf
+
+    return argparse.Namespace(**OmegaConf.to_container(model_cfg, resolve=True))
+
+
+def convert_to_ctranslate2(checkpoint, data_bin, output_dir, quantization=None,
+                           source_lang=None, target_lang=None, force=False):
+    """Convert the fairseq checkpoint ``checkpoint`` (dictionaries in ``data_bin``) into a
+    CTranslate2 model folder ``output_dir`` with CTranslate2's fairseq converter; ``quantization``
+    as CTranslate2's (None keeps float32, "int8" ...). Raises :class:`NotServable` for a model
+    CTranslate2 cannot express, :class:`~multipath_nmt.checkpoints.CheckpointError` for a file
+    that cannot be read. Returns ``output_dir``."""
+    try:
+        from ctranslate2.converters import FairseqConverter
+    except ImportError:
+        raise NotServable("CTranslate2 is not installed: pip install ctranslate2") from None
+    checkpoint = str(checkpoint)
+    state = read_checkpoint(checkpoint)
+    model_cfg = model_config(state)
+    obstacle = ctranslate2_obstacle(model_cfg)
+    if obstacle:
+        raise NotServable(f"{checkpoint}: {architecture(state)} cannot run in CTranslate2: "
+                          f"{obstacle}")
+    with tempfile.TemporaryDirectory(prefix="multipath-ctranslate2-") as scratch:
+        # the layout the converter reads (torch.load(weights_only=True): the Namespace is on
+        # the safe-loading allow-list the plug-in installs)
+        path = os.path.join(scratch, "checkpoint.pt")
+        torch.save({"args": _as_namespace(model_cfg), "cfg": None, "model": state["model"]}, path)
+        converter = FairseqConverter(path, str(data_bin), source_lang=source_lang,
+                                     target_lang=target_lang)
+        return converter.convert(str(output_dir), quantization=quantization, force=force)
+
+
+class Translations(NamedTuple):
+    hypotheses: List[List[str]]
+    seconds: float  # translation alone, the model loaded
+
+    @property
+    def sentences_per_second(self) -> float:
+        return len(self.hypotheses) / self.seconds if self.seconds > 0 else float("inf")
+
+
+def translate(model_dir, sentences: Sequence[Sequence[str]], beam=4, lenpen=1.0, max_len_b=200,
+              batch_size=64, compute_type="default", threads=0, device="cpu") -> Translations:
+    """The best hypothesis of each tokenized sentence of ``sentences`` under the CTranslate2 model
+    ``model_dir``, with fairseq-generate's search: beam ``beam``, scores divided by
+    length ** ``lenpen``, at most ``max_len_b`` tokens (fairseq's --max-len-a 0), the source
+    followed by </s> (the converter sets that). ``compute_type``: CTranslate2's ("float32",
+    "int8", ...; "default" is the type the model was converted with). ``threads``: 0 lets
+    CTranslate2 choose."""
+    import ctranslate2
+
+    translator = ctranslate2.Translator(str(model_dir), device=device, compute_type=compute_type,
+                                        intra_threads=threads)
+    start = time.perf_counter()
+    results = translator.translate_batch([list(s) for s in sentences], beam_size=beam,
+                                         length_penalty=lenpen, max_decoding_length=max_len_b,
+                                         max_batch_size=batch_size)
+    seconds = time.perf_counter() - start
+    return Translations([r.hypotheses[0] for r in results], seconds)
