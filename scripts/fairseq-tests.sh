@@ -53,7 +53,8 @@ run() {  # run LABEL [pytest flags]: pytest over FILES, log in $OUT/LABEL.log
         --continue-on-collection-errors "$@" "${FILES[@]}") >"$OUT/$label.log" 2>&1 || true
 }
 run plain
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" run plug-in -p multipath_nmt
+# MULTIPATH_NMT_PATCHES=on: an inherited "off" would install no patch and compare nothing
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" MULTIPATH_NMT_PATCHES=on run plug-in -p multipath_nmt
 
 "$PYTHON" - "$OUT" <<'EOF'
 """Each test's outcome from pytest's -rA summary; a test passes when it has a PASSED line and

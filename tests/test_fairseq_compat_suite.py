@@ -237,10 +237,14 @@ def test_fairseq_tests_script_names_what_passes_only_without_or_only_with_the_pl
     (checkout / "tests" / "test_probe.py").write_text(
         "import sys\n\n\n"
         "def test_without_the_plug_in():\n    assert 'multipath_nmt' not in sys.modules\n\n\n"
-        "def test_with_the_plug_in():\n    assert 'multipath_nmt' in sys.modules\n\n\n"
+        "def test_with_the_plug_in():\n"
+        "    from fairseq.modules.multihead_attention import MultiheadAttention\n"
+        "    assert hasattr(MultiheadAttention, 'fairseq_forward')  # the patches are in\n\n\n"
         "def test_either():\n    pass\n")
+    # an inherited MULTIPATH_NMT_PATCHES=off does not empty the plug-in run
     proc = run_cli(["bash", ROOT / "scripts" / "fairseq-tests.sh", checkout], check=False,
-                   env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out")))
+                   env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+                                 MULTIPATH_NMT_PATCHES="off"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "plain:   1 failed, 2 passed" in proc.stdout
     assert "plug-in: 1 failed, 2 passed" in proc.stdout
