@@ -781,3 +781,207 @@ def test_prepare_corpus_script_on_multi30k(multi30k, tmp_path):
     assert (out / "bpecodes").read_text() == (bpe / "codes").read_text()
     with gzip.open(sample / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as raw_test:
         assert (out / "test.raw.de").read_text(encoding="utf-8") == raw_test.read()
+
+
+# ------------------------------------------------------------------ kill -9 at random moments
+
+PREPARE_STAGES = ("raw", "tokenize", "bpe", "clean", "binarize")
+
+
+def _tree(folder):
+    """Every file under ``folder``: relative path -> bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _writers_into(folder):
+    """Processes whose command line names ``folder`` (an orphan still writing into a stage)."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(folder).encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _run_and_kill(command, stage_label=None, delay=0.0, timeout=300):
+    """Start ``command``; once its log says ``[stage_label] building`` (or, for ``download``,
+    ``[download] URL``), wait ``delay`` seconds and SIGKILL the main process only (its children are
+    not signalled, as with ``kill -9 PID``), and return as soon as it is gone, as a shell or a
+    scheduler would. Returns: ``stage`` (whose build was under way at the end), ``killed``,
+    ``events`` ((seconds from the start, stage) of each stage's log line) and ``log``."""
+    import signal
+    import subprocess
+    import time
+    import types
+
+    started = time.monotonic()
+    proc = subprocess.Popen(list(map(str, command)), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    run = types.SimpleNamespace(stage=None, killed=False, events=[], log=[])
+    kill_at = []
+
+    def read():  # until every writer of the pipe is gone: orphans included
+        for line in proc.stderr:
+            run.log.append(line)
+            if line.startswith("[") and ("] building " in line or line.startswith("[download] http")):
+                run.stage = line[1:line.index("]")]
+                run.events.append((time.monotonic() - started, run.stage))
+                if run.stage == stage_label and not kill_at:
+                    kill_at.append(time.monotonic() + delay)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        if kill_at and time.monotonic() >= kill_at[0]:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            break
+        if time.monotonic() - started > timeout:
+            proc.kill()
+            pytest.fail(f"{command} took more than {timeout} s")
+        time.sleep(0.005)
+    run.killed = proc.returncode == -signal.SIGKILL
+    if not run.killed:
+        reader.join(timeout=30)
+        run.events.append((time.monotonic() - started, "end"))
+    assert proc.returncode in (0, -signal.SIGKILL), f"{command} exited {proc.returncode}:\n{''.join(run.log)}"
+    return run
+
+
+def _no_process_writes_into(folder):
+    """A child killed with its parent needs a moment to go; then nothing may name ``folder``."""
+    import time
+
+    for _ in range(20):
+        if not _writers_into(folder):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_then_rerun_gives_the_same_bytes(tmp_path):
+    """multipath-prepare corpus (2 workers) is killed with SIGKILL at a random moment of each
+    stage in turn, each time the same command is run again; the last run finishes, and every file
+    it leaves (data-bin and work dir) is byte-identical to an uninterrupted run's."""
+    import random
+    import sys
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for split, pairs in generate({"train": 1500, "valid": 100, "test": 100}, seed=11).items():
+        for column, lang in enumerate(("en", "de")):
+            (text / f"{split}.{lang}").write_text("".join(p[column] + "\n" for p in pairs), encoding="utf-8")
+    folder = tmp_path / "bin"
+    out = folder / "syn"
+    command = [sys.executable, "-m", "multipath_nmt.cli.prepare", *corpus_argv(text, out)[:-4],
+               "--workers", "2", "--bpe-merges", "300"]
+
+    run = _run_and_kill(command)
+    assert not run.killed and [stage for _, stage in run.events] == [*PREPARE_STAGES, "end"]
+    durations = {stage: after - t for (t, stage), (after, _) in zip(run.events, run.events[1:])}
+    reference = _tree(folder)
+    shutil.rmtree(folder)
+
+    rng = random.Random(20240633)
+    killed_in = []
+    for label in PREPARE_STAGES + ("binarize", "tokenize"):
+        run = _run_and_kill(command, label, rng.uniform(0, durations[label]))
+        if run.killed:
+            killed_in.append(run.stage)
+        assert _no_process_writes_into(folder), \
+            f"killed in {run.stage}: processes still write into {folder}: {_writers_into(folder)}"
+    assert len(set(killed_in)) >= 4, (killed_in, durations)  # the kills landed in most stages
+
+    assert not _run_and_kill(command).killed  # the last run finishes
+    after = _tree(folder)
+    assert sorted(after) == sorted(reference)
+    assert [name for name in reference if after[name] != reference[name]] == []
+
+
+class SlowReleaseHandler(ReleaseHandler):
+    """The release server's handler, sending at most 64 KB every 10 ms: a download of a few MB takes
+    long enough to be killed in the middle."""
+
+    def setup(self):
+        super().setup()
+        raw = self.wfile
+
+        class Paced:
+            def write(self, data):
+                import time
+
+                for start in range(0, len(data), 1 << 16):
+                    raw.write(data[start:start + (1 << 16)])
+                    time.sleep(0.01)
+                return len(data)
+
+            def __getattr__(self, name):
+                return getattr(raw, name)
+
+        self.wfile = Paced()
+
+
+def _without_mtimes(files):
+    """The .done files record each input's mtime; a download's is the moment it finished."""
+    import re
+
+    return {name: re.sub(rb'"mtime_ns": \d+', b'"mtime_ns": 0', data) if name.endswith(".done") else data
+            for name, data in files.items()}
+
+
+@pytest.mark.slow
+def test_kill_9_during_downloads_then_rerun_gives_the_same_bytes(tmp_path, fake_release):
+    """multipath-prepare wmt through a slow mirror, killed with SIGKILL in the middle of downloads
+    and extractions, then run again: the same files, byte for byte, as an uninterrupted run (the
+    .done files differ only in the download times they record)."""
+    import random
+    import sys
+
+    served = tmp_path / "served"
+    shutil.copytree(fake_release / "mirror", served)
+    padding = random.Random(0).randbytes(3 << 20)  # incompressible: each archive is a 3 MB download
+    for path in served.rglob("*.tgz"):
+        with tarfile.open(path) as tar:
+            members = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+        with tarfile.open(path, "w:gz") as tar:
+            for name, data in members + [("unrelated/padding.bin", padding)]:
+                add_member(tar, name, data)
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(SlowReleaseHandler, root=served, requests=[], drops={}))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        folder = tmp_path / "bin"
+        command = [sys.executable, ROOT / "tests" / "helpers" / "prepare_wmt_from_mirror.py", url, served,
+                   folder / "wmt14_en_de", 2]
+        run = _run_and_kill(command)
+        assert not run.killed
+        downloads = [after - t for (t, stage), (after, _) in zip(run.events, run.events[1:])
+                     if stage == "download"]
+        assert len(downloads) == 5
+        reference = _without_mtimes(_tree(folder))
+        shutil.rmtree(folder)
+
+        rng = random.Random(33)
+        killed_in, resumed = [], 0
+        for _ in range(6):  # each run is killed at a random moment after its first download began
+            run = _run_and_kill(command, "download", rng.uniform(0, 1.5 * max(downloads)))
+            killed_in.append(run.stage if run.killed else "finished")
+            resumed += sum("  resuming " in line for line in run.log)
+            assert _no_process_writes_into(folder)
+        assert killed_in.count("download") >= 2, (killed_in, downloads)
+
+        run = _run_and_kill(command)
+        resumed += sum("  resuming " in line for line in run.log)
+        assert resumed, "no download was resumed from a partial file"
+        after = _without_mtimes(_tree(folder))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert sorted(after) == sorted(reference)
+    assert [name for name in reference if after[name] != reference[name]] == []

@@ -220,8 +220,48 @@ def clean_pair(a, b, ratio=CLEAN_RATIO, min_len=CLEAN_MIN, max_len=CLEAN_MAX,
 
 _worker = {}
 
+# After a kill -9 of multipath-prepare, none of its children may go on writing into a stage's
+# .partial folder while the next run removes and rebuilds it: each is SIGKILLed when its parent
+# dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing is done). fairseq-preprocess runs through
+# this bootstrap (argv: our pid, the module, its arguments), which does the same for every
+# process it forks (its --workers).
+DIE_WITH_PARENT = """
+import ctypes, os, runpy, signal, sys
+try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    prctl = None
+def arm(parent):
+    if prctl is not None:
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(1)
+arm(int(sys.argv[1]))
+forking = {}
+os.register_at_fork(before=lambda: forking.update(pid=os.getpid()),
+                    after_in_child=lambda: arm(forking["pid"]))
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def _in_pool_worker():
+    """A worker of our own pools (tokenize, BPE) dies with multipath-prepare, as above."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent.pid:
+            os._exit(1)
+
 
 def _init_tokenizer(lang):
+    _in_pool_worker()
     _worker["normalizer"] = MosesPunctNormalizer(lang)
     _worker["tokenizer"] = MosesTokenizer(lang)
 
@@ -231,6 +271,7 @@ def _tokenize_chunk(lines):
 
 
 def _init_bpe(codes_path):
+    _in_pool_worker()
     with open(codes_path, encoding="utf-8") as codes:
         _worker["bpe"] = BPE(codes)
 
@@ -320,11 +361,12 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
     binarize_params = {"stage": "binarize", "src": src, "tgt": tgt, "clean": clean_params, "raw_test": True}
 
     def binarize(tmp):
-        cmd = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang", tgt,
-               "--trainpref", str(clean_dir / "train"), "--validpref", str(clean_dir / "valid"),
-               "--testpref", str(clean_dir / "test"), "--destdir", str(tmp), "--joined-dictionary",
-               "--workers", str(workers)]
-        log("  " + " ".join(cmd))
+        args = ["--source-lang", src, "--target-lang", tgt,
+                "--trainpref", str(clean_dir / "train"), "--validpref", str(clean_dir / "valid"),
+                "--testpref", str(clean_dir / "test"), "--destdir", str(tmp), "--joined-dictionary",
+                "--workers", str(workers)]
+        log("  " + " ".join([sys.executable, "-m", "fairseq_cli.preprocess", *args]))
+        cmd = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), "fairseq_cli.preprocess", *args]
         proc = subprocess.run(cmd, stdout=2)  # its log is progress too: keep stdout free, like every stage
         if proc.returncode != 0:
             raise PrepareError(f"fairseq-preprocess failed with exit code {proc.returncode} (its log is above)")
