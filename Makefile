@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install test quickstart bench clean
+.PHONY: install test test-fast quickstart bench clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ $(VENV)/.installed: setup.py
 test: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -rs tests
+
+# The loop while you work: every test but the slow ones (trainings, end-to-end runs; conftest.py
+# marks the tests on a training fixture). CI runs `make test`.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests
 
 quickstart: install
 	bash scripts/quickstart.sh

@@ -104,3 +104,28 @@ def multi30k():
 def _deterministic_torch():
     torch.manual_seed(0)
     yield
+
+
+# The fixtures that run fairseq-train, as (test module, fixture): a test that uses one, directly
+# or through another fixture, trains, and is marked slow (`make test-fast` leaves it out).
+TRAINING_FIXTURES = {
+    ("test_average", "run_dir"), ("test_checkpoints", "run_dir"), ("test_compat", "trained"),
+    ("test_convert_ewa", "ewa_checkpoint"), ("test_data_checks", "checkpoint"),
+    ("test_hub", "checkpoints"), ("test_numerics", "runs"), ("test_serving", "dense_checkpoints"),
+}
+
+
+def _uses_a_training_fixture(item):
+    definitions = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixture in (definitions.name2fixturedefs.get(name, ()) if definitions else ()):
+            if (fixture.func.__module__.rsplit(".", 1)[-1], fixture.func.__name__) in \
+                    TRAINING_FIXTURES:
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if _uses_a_training_fixture(item):
+            item.add_marker(pytest.mark.slow)

@@ -113,6 +113,7 @@ def test_bench_trains_in_train_shs_precision(precision, monkeypatch):
 
     monkeypatch.setattr(harness, "build_trainer", build_trainer)
     monkeypatch.setattr(harness, "layer_benchmarks", lambda *args, **kwargs: {})
+    monkeypatch.setattr(harness, "matmul_peak_flops", lambda *args: 1.0)  # fp16 is slow on CPUs
     result = harness.run("tiny", "cpu", precision, only=["stock prenorm L"], padded=True,
                          log=lambda message: None)
     assert result["systems"]["stock prenorm L"]["error"] == "RuntimeError: stop here"

@@ -337,6 +337,7 @@ def test_mixed_precision_passes_within_a_tenth_of_fp32s_loss_fall():
         "a loss was not finite", "the loss did not fall", "fairseq-train on 2 GPUs exited with 1"]
 
 
+@pytest.mark.slow
 def test_a_failing_system_is_reported_the_next_is_checked_and_nothing_stays_alive(monkeypatch):
     """The first system fails in the middle of its training; the check goes on with the next,
     which trains in bf16 autocast through train.sh's command, 2 micro-batches per update, and then

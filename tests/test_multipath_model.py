@@ -302,6 +302,7 @@ def _max_abs(gradients):
     return max(g.abs().max().item() for g in gradients)
 
 
+@pytest.mark.slow
 def test_alpha_beta_gradients_cap_the_fp16_loss_scale_but_not_amps():
     # alpha and beta sum their gradients over every token and channel: at init they are the
     # largest in the model, several times the stock Transformer's largest, so in a half

@@ -126,6 +126,7 @@ def test_same_parameters_as_fairseq_adam_under_fairseqs_wrappers(wrapper):
 
 # --- through fairseq-train ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, updates, tolerance", [
     ("fp32", 100, dict(atol=1e-5, rtol=1e-4)),
     # fp16 weights, and warm-up updates below one fp16 step (lr 1e-4 ... 1e-3 against steps of

@@ -53,6 +53,7 @@ def live_tensors():
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", ["WideNet", "MoE every 2nd layer"])
 def test_routing_stats_never_outlive_the_step_with_the_plain_criterion(toy_data_bin, system):
     """fairseq's own label_smoothed_cross_entropy never pops the statistics: they are dropped at
