@@ -19,8 +19,11 @@ def _patched_attributes():
     from fairseq.file_io import PathManager
     from fairseq.models import distributed_fairseq_model
     from fairseq.models.transformer import TransformerModelBase
+    from fairseq.modules.checkpoint_activations import CheckpointFunction
     from fairseq.modules.multihead_attention import MultiheadAttention
+    from fairseq.optim.amp_optimizer import AMPOptimizer
     from fairseq.tasks.fairseq_task import FairseqTask
+    from fairseq.tasks.translation import TranslationTask
     from fairseq.trainer import Trainer
 
     return [(distributed_utils, "_broadcast_object_slow"), (options, "parse_args_and_arch"),
@@ -31,7 +34,10 @@ def _patched_attributes():
             (sys, "excepthook"), (distributed_utils, "_infer_torch_distributed_launch_init"),
             (distributed_fairseq_model, "DistributedDataParallel"), (Trainer, "train_step"),
             (Trainer, "__init__"), (MultiheadAttention, "forward"),
-            (TransformerModelBase, "build_model"), (Trainer, "set_num_updates")]
+            (TransformerModelBase, "build_model"), (Trainer, "set_num_updates"),
+            (AMPOptimizer, "step"), (AMPOptimizer, "__init__"), (FairseqTask, "train_step"),
+            (CheckpointFunction, "forward"), (TranslationTask, "setup_task"),
+            (TranslationTask, "load_dataset"), (checkpoint_utils, "save_checkpoint")]
 
 
 def test_install_twice_wraps_nothing_again():
