@@ -39,7 +39,7 @@ from multipath_nmt import checkpoints
 from multipath_nmt.checkpoints import (CheckpointError, check_dictionaries, newest_readable,
                                        peek_checkpoint, proven_damage, read_checkpoint,
                                        save_atomically, saved_at, write_atomically)
-from multipath_nmt.fairseq_patches.wrapping import wrap
+from multipath_nmt.fairseq_patches.wrapping import one_line_excepthook, wrap
 
 # The resume warnings keep the logger name users know them by (docs/troubleshooting.md).
 logger = checkpoints.logger
@@ -187,14 +187,7 @@ def _checking_ensemble_dictionaries(load_ensemble):
 
 
 def _one_line_errors(previous_hook):
-    def excepthook(kind, value, traceback):
-        if isinstance(value, CheckpointError):
-            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-            sys.stderr.write(f"{program}: error: {value}\n")
-        else:
-            previous_hook(kind, value, traceback)
-
-    return excepthook
+    return one_line_excepthook(previous_hook, CheckpointError)
 
 
 def install():

@@ -19,7 +19,7 @@ import os
 import sys
 
 from multipath_nmt.data_bins import DataBinError, check_dictionary, check_split, rebuild_advice
-from multipath_nmt.fairseq_patches.wrapping import wrap
+from multipath_nmt.fairseq_patches.wrapping import one_line_excepthook, wrap
 
 
 def _local_paths(data):
@@ -94,14 +94,7 @@ def _checking_splits(load_dataset):
 
 
 def _one_line_errors(previous_hook):
-    def excepthook(kind, value, traceback):
-        if isinstance(value, DataBinError):
-            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-            sys.stderr.write(f"{program}: error: {value}\n")
-        else:
-            previous_hook(kind, value, traceback)
-
-    return excepthook
+    return one_line_excepthook(previous_hook, DataBinError)
 
 
 def install():

@@ -1,6 +1,8 @@
 """The one way a patch is put in place: :func:`wrap` replaces an attribute by a wrapper of it and
 marks the wrapper, so that installing twice changes nothing."""
 import inspect
+import os
+import sys
 
 MARK = "__multipath_nmt_patched__"
 
@@ -34,3 +36,18 @@ def wrap(owner, name, make_wrapper):
     setattr(wrapper, MARK, (*patches_of(original), key))
     setattr(owner, name, method_kind(wrapper) if method_kind else wrapper)
     return True
+
+
+def one_line_excepthook(previous_hook, error_type):
+    """A ``sys.excepthook`` that prints an uncaught ``error_type`` as ``PROGRAM: error: MESSAGE``
+    (no traceback: the message says what is wrong and what to do) and hands anything else to
+    ``previous_hook``."""
+    def excepthook(kind, value, traceback):
+        if isinstance(value, error_type):
+            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+            sys.stderr.write(f"{program}: error: {value}\n")
+        else:
+            previous_hook(kind, value, traceback)
+
+    return excepthook
+
