@@ -30,6 +30,7 @@ What fairseq 0.12 does, and what is changed:
 import contextlib
 import functools
 import importlib.util
+import sys
 
 import torch
 
@@ -66,7 +67,7 @@ def _tpu_only_with_torch_xla(parse_args_and_arch):
     def parse_args_and_arch_bf16_off_tpu(parser, input_args=None, *args, **kwargs):
         parsed = parse_args_and_arch(parser, input_args, *args, **kwargs)
         namespace = parsed[0] if isinstance(parsed, tuple) else parsed
-        if getattr(namespace, "bf16", False) and not explicit_tpu(input_args) \
+        if getattr(namespace, "bf16", False) and not _tpu_asked_for(input_args) \
                 and importlib.util.find_spec("torch_xla") is None:
             namespace.tpu = False
         return parsed
@@ -74,9 +75,8 @@ def _tpu_only_with_torch_xla(parse_args_and_arch):
     return parse_args_and_arch_bf16_off_tpu
 
 
-def explicit_tpu(input_args):
-    import sys
-
+def _tpu_asked_for(input_args):
+    """Whether the command line (``input_args``, else ``sys.argv``) says ``--tpu``."""
     words = sys.argv[1:] if input_args is None else input_args
     return "--tpu" in words
 
