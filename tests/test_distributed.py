@@ -9,27 +9,13 @@ Both runs go through tests/helpers/train_and_dump_ranks.py, which seeds every ba
 position (see there) so that randomised layers draw the same numbers in both set-ups.
 """
 import pytest
-import torch
 
-from helpers.training import (SMALL_BATCHES, assert_same_tensors, comparable_command,
-                              load_model_state, run, run_until_killed)
+from helpers.training import (SMALL_BATCHES, assert_ranks_identical, assert_same_final_model,
+                              comparable_command, load_model_state, run, run_until_killed)
 
 pytestmark = pytest.mark.slow
 
 TORCHRUN_TIMEOUT = 300
-
-
-def assert_ranks_identical(save_dir, update):
-    rank0 = torch.load(save_dir / f"rank0-update{update}.pt")
-    rank1 = torch.load(save_dir / f"rank1-update{update}.pt")
-    assert_same_tensors(rank1, rank0)
-
-
-def assert_same_final_model(ddp_dir, single_dir, updates):
-    expected, expected_updates = load_model_state(single_dir / "checkpoint_last.pt")
-    actual, actual_updates = load_model_state(ddp_dir / "checkpoint_last.pt")
-    assert actual_updates == expected_updates == updates
-    assert_same_tensors(actual, expected)
 
 
 @pytest.mark.parametrize("model", ["multipath", "widenet"])

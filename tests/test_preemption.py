@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers.signals import run_and_signal
-from helpers.training import (SMALL_BATCHES, assert_same_tensors, comparable_command,
-                              load_model_state, run, train_command)
+from helpers.training import (SMALL_BATCHES, assert_ranks_identical, assert_same_final_model,
+                              comparable_command, load_model_state, run, train_command)
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +46,7 @@ def _resume_and_compare(command, save_dir, updates, reference):
     resumed = run(command)
     assert f"Loaded checkpoint {save_dir / 'checkpoint_last.pt'} (epoch " in resumed
     assert f" @ {updates} updates)" in resumed
-    expected, expected_updates = load_model_state(reference / "checkpoint_last.pt")
-    actual, actual_updates = load_model_state(save_dir / "checkpoint_last.pt")
-    assert actual_updates == expected_updates == MAX_UPDATE
-    assert_same_tensors(actual, expected)
+    assert_same_final_model(save_dir, reference, MAX_UPDATE)
 
 
 @pytest.mark.parametrize("model", ["baseline", "multipath"])
@@ -113,20 +110,10 @@ def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin
     assert f"SIGTERM: stopped after update {updates} " in output
     dumps = sorted(p.name for p in ddp.glob("rank*-update*.pt"))
     assert dumps == [f"rank0-update{updates}.pt", f"rank1-update{updates}.pt"]  # the same update
-    assert_same_tensors(load_state(ddp / f"rank1-update{updates}.pt"),
-                        load_state(ddp / f"rank0-update{updates}.pt"))
+    assert_ranks_identical(ddp, updates)
 
     resumed = run(command, timeout=TORCHRUN_TIMEOUT)
     assert f"(epoch 1 @ {updates} updates)" in resumed
     run(comparable_command(toy_data_bin, tmp_path / "single", "multipath", *RANK_FLAGS,
                            "--update-freq", 2))
-    expected, _ = load_model_state(tmp_path / "single" / "checkpoint_last.pt")
-    actual, actual_updates = load_model_state(ddp / "checkpoint_last.pt")
-    assert actual_updates == 16
-    assert_same_tensors(actual, expected)
-
-
-def load_state(path):
-    import torch
-
-    return torch.load(path)
+    assert_same_final_model(ddp, tmp_path / "single", 16)

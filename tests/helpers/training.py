@@ -171,3 +171,19 @@ def assert_same_tensors(actual, expected, atol=0.0, rtol=0.0):
             diff = (other.double() - tensor.double()).abs().max().item()
             mismatched.append(f"{name}: max |diff| {diff:.3g}")
     assert not mismatched, "tensors differ:\n" + "\n".join(mismatched)
+
+
+def assert_same_final_model(actual_dir, expected_dir, updates):
+    """Both runs' checkpoint_last.pt are at ``updates`` updates and bit-identical."""
+    expected, expected_updates = load_model_state(expected_dir / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(actual_dir / "checkpoint_last.pt")
+    assert actual_updates == expected_updates == updates
+    assert_same_tensors(actual, expected)
+
+
+def assert_ranks_identical(save_dir, update):
+    """The two ranks' states dumped after ``update`` (train_and_dump_ranks.py) are identical."""
+    rank0 = torch.load(save_dir / f"rank0-update{update}.pt")
+    rank1 = torch.load(save_dir / f"rank1-update{update}.pt")
+    assert_same_tensors(rank1, rank0)
+
