@@ -1,6 +1,8 @@
 """The optimizer fairseq's Trainer builds for a precision's flags, outside a Trainer."""
 import torch
 
+from multipath_nmt.recipe import PRECISIONS
+
 WRAPPERS = {
     "fp32": [],
     # fp32 master copies (per tensor: fairseq flattens them only on CUDA)
@@ -11,8 +13,8 @@ WRAPPERS = {
 # What train.sh and the GPU check use besides: fp32 weights under autocast (AMPOptimizer, with
 # a loss scaler for float16 and none for bfloat16), and fairseq's flat fp32 master copy.
 MIXED_PRECISION_WRAPPERS = {
-    "amp": ["--amp"],
-    "amp-bf16": ["--amp", "--bf16"],
+    "amp": PRECISIONS["fp16"],
+    "amp-bf16": PRECISIONS["bf16"],
     "fp16-flat": ["--fp16"],
 }
 
