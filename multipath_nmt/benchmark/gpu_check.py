@@ -89,9 +89,6 @@ UPDATE_FREQ = 2
 # the one loss scaler that runs on the CPU, for the tests.
 PRECISIONS = ("auto", *recipe.PRECISIONS, "memory-efficient-fp16")
 CPU_STAND_INS = {"memory-efficient-fp16": ("fp32", ["--memory-efficient-fp16"])}
-# The matrix products' precision under each (the MFU peak is timed in it).
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                  "memory-efficient-fp16": torch.float16}
 # Mixed precision passes when its last loss is within this share of the loss fall that fp32
 # reached over the same updates, from the same weights, on the same batches. A working autocast
 # changes the trajectory only by rounding (bf16 keeps 8 bits of mantissa, fp16 11; the fp32 master
