@@ -236,13 +236,23 @@ def sacrebleu_score(hyps: Sequence[str], ref_streams: Sequence[Sequence[str]]):
     return bleu.corpus_score(list(hyps), [list(r) for r in ref_streams]), bleu.get_signature()
 
 
+def chrf_score(hyps: Sequence[str], ref_streams: Sequence[Sequence[str]]):
+    """sacreBLEU's default chrF (character 6-grams, beta 2, no word n-grams) on detokenized
+    text: (score, signature)."""
+    chrf = sacrebleu.CHRF()
+    return chrf.corpus_score(list(hyps), [list(r) for r in ref_streams]), chrf.get_signature()
+
+
 @dataclass
 class BleuScores:
-    """Both scores of one system output: ``multi_bleu`` on the tokenized text (``str()`` of it
-    is the line multi-bleu.perl prints) and corpus sacreBLEU (0-100) with its signature."""
+    """The scores of one system output: ``multi_bleu`` on the tokenized text (``str()`` of it
+    is the line multi-bleu.perl prints), and corpus sacreBLEU and chrF (0-100) on the
+    detokenized text, each with its signature."""
     multi_bleu: MultiBleu
     sacrebleu: float
     signature: str
+    chrf: float
+    chrf_signature: str
 
     @property
     def bleu(self) -> float:
@@ -274,7 +284,7 @@ def score_generate_output(path, hyp_field: str = "H", raw_refs: Optional[Sequenc
 
 def score_translations(stats: MultiBleu, hyps: Sequence[str], ref_streams: Sequence[Sequence[str]],
                        raw_refs: Optional[Sequence] = None, lang: Optional[str] = None) -> BleuScores:
-    """Add sacreBLEU to the multi-bleu ``stats`` of tokenized ``hyps``: the hypotheses
+    """Add sacreBLEU and chrF to the multi-bleu ``stats`` of tokenized ``hyps``: the hypotheses
     Moses-detokenized for ``lang`` (as given without it) against ``raw_refs``, the reference
     files as released, or without them against the tokenized ``ref_streams`` detokenized (a
     score not comparable to published sacreBLEU)."""
@@ -286,5 +296,7 @@ def score_translations(stats: MultiBleu, hyps: Sequence[str], ref_streams: Seque
                                    f"{len(hyps)} hypotheses; give the released test set they translate")
     else:
         raw_streams = [detokenize(r, lang) for r in ref_streams]
-    sacre, signature = sacrebleu_score(detokenize(hyps, lang), raw_streams)
-    return BleuScores(stats, sacre.score, str(signature))
+    detokenized = detokenize(hyps, lang)
+    sacre, signature = sacrebleu_score(detokenized, raw_streams)
+    chrf, chrf_signature = chrf_score(detokenized, raw_streams)
+    return BleuScores(stats, sacre.score, str(signature), chrf.score, str(chrf_signature))

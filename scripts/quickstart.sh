@@ -45,7 +45,7 @@ step "5/6 translate the test set (beam 4, lenpen 0.6, --remove-bpe) -> $work/tes
 scripts/translate.sh "$work/data-bin" "$work/checkpoints/checkpoint_avg.pt" "$work/test" \
     --batch-size 128
 
-step "6/6 score: tokenized multi-bleu with compound splitting, then sacreBLEU against the raw references"
+step "6/6 score: tokenized multi-bleu with compound splitting, then sacreBLEU and chrF against the raw references"
 multipath-score --generate-output "$work/test.generate" --compound-split --lang de \
     --raw-ref "$work/data-bin/test.raw.de" \
     | tee "$work/score.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tokenized BLEU identical to multi-bleu.perl (line 1) and detokenized sacreBLEU (line 2) against the
+# Tokenized BLEU identical to multi-bleu.perl (line 1), detokenized sacreBLEU (line 2) and chrF (line 3) against the
 # references as released (--raw-ref DATA_BIN/test.raw.LANG from multipath-prepare, or the official .sgm).
 #   scripts/score.sh --sys HYP --ref REF [--raw-ref RAW] [--compound-split] [--lang de] [-lc]
 #   scripts/score.sh --generate-output gen.out [--raw-ref RAW] [--compound-split] [--lang de]

@@ -219,10 +219,13 @@ def test_real_german_text_equals_multi_bleu_perl(multi30k, tmp_path):
 
 def test_exact_numbers_and_sacrebleu_line(tmp_path):
     hyp, ref = _write(tmp_path, b"the cat sat on the mat\n", [b"the cat sat on the red mat\n"])
-    first, second = _ours(hyp, ref)
+    first, second, third = _ours(hyp, ref)
     # p = 6/6, 4/5, 3/4, 2/3; BP = exp(1 - 7/6); BLEU = BP * exp(mean(log p))
     assert first == "BLEU = 67.32, 100.0/80.0/75.0/66.7 (BP=0.846, ratio=0.857, hyp_len=6, ref_len=7)"
     assert second.startswith("sacreBLEU = 67.32 | nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|")
+    # sacreBLEU's default chrF: character 1- to 6-gram F-score with beta 2
+    assert third == (f"chrF2 = 73.07 | nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|"
+                     f"version:{sacrebleu.__version__}")
 
 
 def test_sacrebleu_detokenizes_for_lang(tmp_path):
@@ -267,6 +270,7 @@ def test_sacrebleu_uses_the_released_references(tmp_path):
     gen.write_text("".join(f"T-{i}\t{r}\nH-{i}\t-0.3\t{h}\n" for i, (r, h) in enumerate(zip(tokenized_refs, HYPS_TOKENIZED)))
                    + "Generate test with beam=4: BLEU4 = 1.00\n", encoding="utf-8")
     expected = sacrebleu.corpus_bleu(scoring.detokenize(HYPS_TOKENIZED, "de"), [sacrebleu_refs])
+    expected_chrf = sacrebleu.corpus_chrf(scoring.detokenize(HYPS_TOKENIZED, "de"), [sacrebleu_refs])
     lines = {}
     for raw in (sgm, tmp_path / "test.raw.de", None):
         argv = ["--generate-output", str(gen), "--compound-split", "--lang", "de"]
@@ -280,6 +284,7 @@ def test_sacrebleu_uses_the_released_references(tmp_path):
                                  f"version:{sacrebleu.__version__} | references as released (--raw-ref), "
                                  "hypotheses Moses-detokenized for 'de'")
         assert lines[raw][0] == lines[None][0]
+        assert lines[raw][2].startswith(f"chrF2 = {expected_chrf.score:.2f} | nrefs:1|")
     assert "not comparable to published sacreBLEU, pass --raw-ref" in lines[None][1]
     assert lines[None][1].split(" | ")[0] != lines[sgm][1].split(" | ")[0]  # the altered references score otherwise
 

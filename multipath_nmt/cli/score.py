@@ -48,7 +48,7 @@ def build_parser():
 
 
 def score(args, out=None) -> scoring.MultiBleu:
-    """Print the multi-bleu line and the sacreBLEU line of parsed ``args`` to ``out`` (default:
+    """Print the multi-bleu line, the sacreBLEU line and the chrF line of parsed ``args`` to ``out`` (default:
     stdout); returns the multi-bleu statistics. Raises :class:`~multipath_nmt.scoring.ScoringError`."""
     options = dict(raw_refs=args.raw_ref, compound=args.compound_split, lowercase=args.lowercase,
                    lang=args.lang)
@@ -67,6 +67,7 @@ def score(args, out=None) -> scoring.MultiBleu:
             else ", hypotheses as given (pass --lang to detokenize tokenized text)")
     print(scores.multi_bleu, file=out)
     print(f"sacreBLEU = {scores.sacrebleu:.2f} | {scores.signature} | {how}", file=out)
+    print(f"chrF2 = {scores.chrf:.2f} | {scores.chrf_signature}", file=out)
     return scores.multi_bleu
 
 
