@@ -1,4 +1,5 @@
 """The Multi30k study (examples/multi30k/study.sh and study.py)."""
+import argparse
 import importlib.util
 import json
 import os
@@ -137,6 +138,7 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     for row, summary in zip(rows, report["systems"]):
         cells = [c.strip() for c in row.strip("|").split("|")]
         run = summary["runs"][0]
+        assert float(cells.pop(13)) == pytest.approx(run["test_chrf"], abs=0.005)  # test chrF
         # no validation in a time budget, no deep model to compare with
         assert cells[7:10] == ["-", "-", "-"] and cells[13:] == ["-", "-"]
         numbers = [float(c) for c in cells[1:7] + cells[10:13]]
@@ -257,6 +259,74 @@ def test_paired_bootstrap_is_sacrebleus_and_a_zero_difference_is_not_significant
     assert not same["significant"]
 
 
+def test_paired_bootstrap_tests_chrf_beside_bleu():
+    from sacrebleu.metrics import CHRF
+    worse = ["Ein Mann fährt.", "Hunde spielen.", "Frau liest.", "Kinder am Strand.",
+             "Ein Koch steht."] * 8
+    result = study.paired_bootstrap(REFS, worse, REFS)
+    assert result["baseline_chrf"] == pytest.approx(100.0)
+    assert result["chrf"] == pytest.approx(CHRF().corpus_score(worse, [REFS]).score)
+    assert result["chrf_delta"] == pytest.approx(result["chrf"] - 100.0)
+    assert result["chrf_p_value"] == pytest.approx(1 / 1001) and result["chrf_significant"]
+    assert result["chrf_signature"].startswith("nrefs:1|bs:1000|seed:12345|")
+    assert "nc:6|nw:0" in result["chrf_signature"]
+
+
+def test_paired_t_test_over_seeds_has_n_minus_1_degrees_of_freedom():
+    # three seeds, differences 1.0, 1.2, 1.4: mean 1.2, std 0.2, t = 1.2 / (0.2 / sqrt 3); with
+    # 2 degrees of freedom the two-sided p is 1 - t / sqrt(t^2 + 2)
+    test = study.paired_t_test([1.0, 1.2, 1.4])
+    t = 6 * 3 ** 0.5
+    assert test["t"] == pytest.approx(t) and test["df"] == 2
+    assert test["p_value"] == pytest.approx(1 - t / (t * t + 2) ** 0.5)
+    assert test["significant"]  # p = 0.0091
+    # 1, 2, 3: a larger mean but less consistent, t = 3.46, p = 0.074
+    assert not study.paired_t_test([1.0, 2.0, 3.0])["significant"]
+    assert study.paired_t_test([0.5]) is None and study.paired_t_test([0.5, 0.5]) is None
+
+
+def test_table_against_deep_gives_both_metrics_and_the_test_over_seeds():
+    summary = _summary("mp_pathnorm", [1, 2, 3], [0.9, 0.5, 0.7], [0.02, 0.2, 0.06])
+    versus = summary["vs_deep"]
+    for case, delta, p in zip(versus["per_seed"], [0.4, -0.1, 0.3], [0.01, 0.6, 0.04]):
+        case.update(chrf_delta=delta, chrf_p_value=p, chrf_significant=p < 0.05)
+    versus.update(chrf_delta_mean=0.2, chrf_delta_std=0.26, chrf_significant=False,
+                  across_seeds={"bleu": study.paired_t_test([0.9, 0.5, 0.7]),
+                                "chrf": study.paired_t_test([0.4, -0.1, 0.3])})
+    rows = study.versus_deep_table([_summary("deep", [1, 2, 3]), summary]).splitlines()
+    assert rows[0].split("|")[2:8] == [" sacreBLEU vs deep ", " p per seed ", " p over seeds ",
+                                       " chrF vs deep ", " p per seed ", " p over seeds "]
+    # t = 0.7 / (0.2 / sqrt 3) = 6.06: p = 0.026; chrF: t = 0.2 / (0.265 / sqrt 3) = 1.31, p = 0.321
+    assert [c.strip() for c in rows[2].split("|")[1:8]] == [
+        "mp_pathnorm", "+0.70 ± 0.50 †", "0.020, 0.200, 0.060", "0.026 * (t(2) = +6.06)",
+        "+0.20 ± 0.26 †", "0.010, 0.600, 0.040", "0.321 (t(2) = +1.31)"]
+    assert len(rows) == 3  # deep is not compared with itself
+    assert study.versus_deep_table([_summary("deep", [1])]) == ""
+
+
+def test_seeds_are_a_count_or_a_range():
+    assert study.seed_list("3") == [1, 2, 3]
+    assert study.seed_list("2-3") == [2, 3] and study.seed_list("2-2") == [2]
+    for bad in ("0", "3-2", "x", "0-1", ""):
+        with pytest.raises(argparse.ArgumentTypeError,
+                           match=f"give N \\(seeds 1 to N\\) or FIRST-LAST .*got '{bad}'"):
+            study.seed_list(bad)
+    assert study.build_parser().parse_args(["--seeds", "2-3"]).seeds == [2, 3]
+
+
+def test_en_fr_gets_its_own_data_folder_and_names_its_files(tmp_path):
+    assert study.data_tag(None, None) == "full"
+    assert study.data_tag(40, 20) == "train40-eval20"
+    assert study.data_tag(None, None, "fr") == "en-fr-full"
+    assert study.pair_name("fr") == "En-Fr"
+    for stem in ("train", "val", "test_2016_flickr"):
+        for lang in ("en", "de"):
+            (tmp_path / f"{stem}.{lang}.gz").write_bytes(b"")
+    study.check_multi30k(tmp_path, "de")
+    with pytest.raises(study.StudyError, match=r"missing .*train\.fr\[\.gz\].*\{en,fr\}\.gz"):
+        study.check_multi30k(tmp_path, "fr")
+
+
 def _summary(name, seeds, deltas=None, p_values=None):
     summary = {"system": name, "label": name.title(), "params": 3e6, "active_params": 3e6,
                "seeds": seeds, "mean": {"test_bleu": 20.0}, "std": {"test_bleu": None},
@@ -303,9 +373,11 @@ def test_each_table_4_row_is_tested_against_the_row_it_changes(monkeypatch, tmp_
     def fake_bootstrap(baseline, system, references):
         compared.append((baseline[0], system[0]))
         return {"baseline_bleu": 30.0, "bleu": 30.5, "delta": 0.5, "p_value": 0.2,
-                "significant": False, "signature": "bs"}
+                "significant": False, "signature": "bs", "baseline_chrf": 60.0, "chrf": 60.2,
+                "chrf_delta": 0.2, "chrf_p_value": 0.3, "chrf_significant": False,
+                "chrf_signature": "bs"}
     monkeypatch.setattr(study, "detokenized_translations",
-                        lambda path: ([path.parent.parent.name], ["ref"]))
+                        lambda path, target: ([path.parent.parent.name], ["ref"]))
     monkeypatch.setattr(study, "paired_bootstrap", fake_bootstrap)
     curves = {"deep": 3.0, "mp_original": 2.97, "mp_learnable": 3.03, "mp_cheap": 3.0}
     finished = {(name, 1): {"system": name, "seed": 1, "flags": [], "params": 3e6,
@@ -549,7 +621,8 @@ def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_pa
     import time
     running, most, lock, reports = [], [0], threading.Lock(), []
 
-    def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device):
+    def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device,
+                 target):
         with lock:
             running.append((system.name, seed))
             most[0] = max(most[0], len(running))
@@ -566,7 +639,8 @@ def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_pa
         s.name: study.model_flags(s) for s in systems})
     monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
     monkeypatch.setattr(study, "run_system", fake_run)
-    monkeypatch.setattr(study, "detokenized_translations", lambda path: (["a b c d"], ["a b c d"]))
+    monkeypatch.setattr(study, "detokenized_translations",
+                        lambda path, target: (["a b c d"], ["a b c d"]))
     monkeypatch.setattr(study, "write_reports", lambda report, results: reports.append(
         [s["system"] for s in report["systems"]]))
     args = study.build_parser().parse_args(["--systems", "deep,wide,mp_original", "--seeds", "2",
@@ -579,3 +653,35 @@ def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_pa
     assert all(r == n[:len(r)] or set(r) <= set(n) for r, n in zip(reports, reports[1:]))
     assert report["config"]["parallel"] == 2 and report["config"]["device"] == "cuda"
     assert [c["seed"] for c in report["systems"][1]["vs_deep"]["per_seed"]] == [1, 2]
+
+
+def test_runs_go_seed_by_seed_so_an_interrupted_study_has_compared_its_first_seeds(
+        tmp_path, monkeypatch):
+    order, reports = [], []
+
+    def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device,
+                 target):
+        order.append((system.name, seed, target))
+        return {"system": system.name, "seed": seed, "flags": flags, "params": 1,
+                "active_params": 1, "test_sacrebleu": 10.0 + seed, "run_wall_seconds": 0.2}
+
+    monkeypatch.setattr(study, "prepare", lambda *args: tmp_path / "en-fr-full" / "data-bin")
+    monkeypatch.setattr(study, "dictionary_size", lambda data_bin: 100)
+    monkeypatch.setattr(study, "resolve_flags", lambda systems, size: {
+        s.name: study.model_flags(s) for s in systems})
+    monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
+    monkeypatch.setattr(study, "run_system", fake_run)
+    monkeypatch.setattr(study, "detokenized_translations",
+                        lambda path, target: (["a b c d"], ["a b c d"]))
+    monkeypatch.setattr(study, "paired_bootstrap", lambda base, system, refs: {
+        "delta": 0.0, "p_value": 1.0, "significant": False, "chrf_delta": 0.0,
+        "chrf_p_value": 1.0, "chrf_significant": False})
+    monkeypatch.setattr(study, "write_reports", lambda report, results: reports.append(report))
+    args = study.build_parser().parse_args(["--systems", "deep,mp_pathnorm", "--seeds", "2-3",
+                                          "--target", "fr", "--device", "cpu"])
+    report = study.run_study(args)
+    assert order == [("deep", 2, "fr"), ("mp_pathnorm", 2, "fr"), ("deep", 3, "fr"),
+                     ("mp_pathnorm", 3, "fr")]
+    assert report["config"]["seeds"] == 2 and report["config"]["seed_list"] == [2, 3]
+    assert report["config"]["target"] == "fr"
+    assert report["systems"][1]["seeds"] == [2, 3]

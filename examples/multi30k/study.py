@@ -1,11 +1,12 @@
-"""The Multi30k En-De study: does width beat depth at equal parameters?
+"""The Multi30k study, En-De or En-Fr: does width beat depth at equal parameters?
 
 Every system trains with one recipe and one batch (2,048 tokens per update) for the same budget:
 the same number of updates (fairseq's ``--max-update``, the default; the validation loss is
 logged along the way and checked for a plateau) or the same training time (``--stop-time-hours``).
 Then the last epoch checkpoints (and the final partial epoch) are averaged, valid and test are
-translated and scored with tokenized multi-bleu and sacreBLEU, and every system is compared with
-the deep model, seed by seed, by sacreBLEU's paired bootstrap resampling on the test set.
+translated and scored with tokenized multi-bleu, sacreBLEU and chrF, and every system is compared
+with the deep model, seed by seed, by sacreBLEU's paired bootstrap resampling on the test set
+(BLEU and chrF), and over the seeds by a paired t-test of the seeds' scores.
 Systems: a small pre-norm base model (L = 3 encoder layers), its 2L-deep version, a dense model
 with a wider encoder FFN, the multi-path L x n forms of the paper's ablation (Table 4), WideNet,
 EWA and ParameterNet, all but the base at about the parameters of the 2L model. Everything is
@@ -40,7 +41,10 @@ from multipath_nmt.checkpoints import read_checkpoint
 from multipath_nmt.ewa_folding import convert_ewa_checkpoint
 from multipath_nmt.pipeline.prepare import PrepareError, prepare_corpus
 
-LANGS = ("en", "de")
+SOURCE = "en"
+# Multi30k's target languages with the 2016 test set; En-De is the study's default pair
+TARGETS = ("de", "fr")
+DEFAULT_TARGET = "de"
 # Multi30k task 1 file names (github.com/multi30k/dataset, data/task1/raw)
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 BPE_MERGES = 8000
@@ -200,10 +204,10 @@ def find_text(prefix: Path, lang: str) -> Path:
     raise FileNotFoundError(f"{prefix}.{lang}[.gz]")
 
 
-def check_multi30k(data_dir: Path) -> None:
+def check_multi30k(data_dir: Path, target: str = DEFAULT_TARGET) -> None:
     missing = []
     for stem in SPLITS.values():
-        for lang in LANGS:
+        for lang in (SOURCE, target):
             try:
                 find_text(data_dir / stem, lang)
             except FileNotFoundError as err:
@@ -211,7 +215,7 @@ def check_multi30k(data_dir: Path) -> None:
     if missing:
         raise StudyError(
             f"Multi30k not found in {data_dir}: missing {', '.join(missing)}. Download "
-            "data/task1/raw/{train,val,test_2016_flickr}.{en,de}.gz from "
+            f"data/task1/raw/{{train,val,test_2016_flickr}}.{{{SOURCE},{target}}}.gz from "
             "https://github.com/multi30k/dataset and pass the folder with --data DIR")
 
 
@@ -227,35 +231,46 @@ def _read_lines(path: Path, limit: Optional[int]) -> List[str]:
 
 
 def subsample(data_dir: Path, out_dir: Path, max_train: Optional[int],
-              max_eval: Optional[int]) -> Path:
+              max_eval: Optional[int], target: str = DEFAULT_TARGET) -> Path:
     """The first lines of each split as plain text under ``out_dir`` (for quick runs)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, stem in SPLITS.items():
         limit = max_train if split == "train" else max_eval
-        for lang in LANGS:
-            target = out_dir / f"{stem}.{lang}"
-            if not target.exists():
+        for lang in (SOURCE, target):
+            path = out_dir / f"{stem}.{lang}"
+            if not path.exists():
                 write_text_atomically(
-                    target, "".join(_read_lines(find_text(data_dir / stem, lang), limit)))
+                    path, "".join(_read_lines(find_text(data_dir / stem, lang), limit)))
     return out_dir
 
 
-def prepare(data_dir: Path, work: Path, max_train: Optional[int], max_eval: Optional[int],
-            workers: int) -> Path:
-    """Multi30k En-De -> ``work/<tag>/data-bin`` as multipath-prepare corpus writes it
-    (restartable; its progress goes to stderr)."""
-    check_multi30k(data_dir)
+def data_tag(max_train: Optional[int], max_eval: Optional[int],
+             target: str = DEFAULT_TARGET) -> str:
+    """The prepared data's folder name: ``full`` or ``trainN-evalM`` for En-De (the names of the
+    committed runs), prefixed with the pair for another target (``en-fr-full``)."""
     tag = "full" if max_train is None and max_eval is None else \
         f"train{max_train or 'all'}-eval{max_eval or 'all'}"
+    return tag if target == DEFAULT_TARGET else f"{SOURCE}-{target}-{tag}"
+
+
+def prepare(data_dir: Path, work: Path, max_train: Optional[int], max_eval: Optional[int],
+            workers: int, target: str = DEFAULT_TARGET) -> Path:
+    """Multi30k En-``target`` -> ``work/<tag>/data-bin`` as multipath-prepare corpus writes it
+    (restartable; its progress goes to stderr)."""
+    check_multi30k(data_dir, target)
+    tag = data_tag(max_train, max_eval, target)
     root = work / tag
-    text = subsample(data_dir, root / "text", max_train, max_eval) if tag != "full" else data_dir
+    subsampled = max_train is not None or max_eval is not None
+    text = (subsample(data_dir, root / "text", max_train, max_eval, target) if subsampled
+            else data_dir)
     data_bin = root / "data-bin"
-    if (data_bin / "dict.en.txt").is_file():  # prepare_corpus renames it into place when done
+    if (data_bin / f"dict.{SOURCE}.txt").is_file():  # prepare_corpus renames it into place
         log(f"{data_bin} already prepared")
         return data_bin
-    log(f"preparing Multi30k En-De from {data_dir} (BPE {BPE_MERGES} merges) -> {data_bin}")
+    log(f"preparing Multi30k {pair_name(target)} from {data_dir} (BPE {BPE_MERGES} merges) -> "
+        f"{data_bin}")
     try:
-        prepare_corpus("en", "de", text / SPLITS["train"], text / SPLITS["valid"],
+        prepare_corpus(SOURCE, target, text / SPLITS["train"], text / SPLITS["valid"],
                        text / SPLITS["test"], data_bin, bpe_merges=BPE_MERGES, workers=workers)
     except PrepareError as err:
         raise StudyError(f"preparing {data_bin}: {err}") from err
@@ -264,7 +279,11 @@ def prepare(data_dir: Path, work: Path, max_train: Optional[int], max_eval: Opti
 
 def dictionary_size(data_bin: Path) -> int:
     from fairseq.data import Dictionary
-    return len(Dictionary.load(str(data_bin / "dict.en.txt")))
+    return len(Dictionary.load(str(data_bin / f"dict.{SOURCE}.txt")))
+
+
+def pair_name(target: str) -> str:
+    return f"{SOURCE.capitalize()}-{target.capitalize()}"
 
 
 # ------------------------------------------------------------------------------ model sizes
@@ -452,43 +471,66 @@ def checkpoints_to_average(save_dir: Path, count: int = AVERAGE_LAST) -> List[Pa
     return newest_first[:count]
 
 
-def bleu_scores(generate_output: Path) -> Dict[str, object]:
-    """What ``multipath-score --generate-output FILE --lang de`` prints: tokenized multi-bleu and
-    sacreBLEU on the Moses-detokenized text, each with its two printed decimals."""
-    scores = scoring.score_generate_output(generate_output, lang="de")
+def bleu_scores(generate_output: Path, target: str = DEFAULT_TARGET) -> Dict[str, object]:
+    """What ``multipath-score --generate-output FILE --lang TARGET`` prints: tokenized
+    multi-bleu, and sacreBLEU and chrF on the Moses-detokenized text, each with its two printed
+    decimals."""
+    scores = scoring.score_generate_output(generate_output, lang=target)
     return {"bleu": round(scores.bleu, 2), "multi_bleu": str(scores.multi_bleu),
-            "sacrebleu": round(scores.sacrebleu, 2), "sacrebleu_signature": scores.signature}
+            "sacrebleu": round(scores.sacrebleu, 2), "sacrebleu_signature": scores.signature,
+            "chrf": round(scores.chrf, 2), "chrf_signature": scores.chrf_signature}
 
 
-def detokenized_translations(generate_output: Path) -> Tuple[List[str], List[str]]:
-    """Hypotheses and references of a fairseq-generate output, Moses-detokenized for German:
-    the text the sacreBLEU column scores (``multipath-score --generate-output F --lang de``)."""
+def detokenized_translations(generate_output: Path,
+                             target: str = DEFAULT_TARGET) -> Tuple[List[str], List[str]]:
+    """Hypotheses and references of a fairseq-generate output, Moses-detokenized for the target
+    language: the text the sacreBLEU and chrF columns score (``multipath-score
+    --generate-output F --lang TARGET``)."""
     hyps, refs = scoring.read_generate_output(generate_output)
-    return scoring.detokenize(hyps, "de"), scoring.detokenize(refs, "de")
+    return scoring.detokenize(hyps, target), scoring.detokenize(refs, target)
 
 
 def paired_bootstrap(baseline: Sequence[str], system: Sequence[str], references: Sequence[str],
                      samples: int = BOOTSTRAP_SAMPLES) -> dict:
-    """sacreBLEU's paired bootstrap resampling (``sacrebleu --paired-bs``, Koehn 2004, as Moses'
-    bootstrap-hypothesis-difference-significance.pl) of ``system`` against ``baseline`` on the
-    same test sentences: both BLEU scores, the difference and its p-value, which sacreBLEU
-    computes from resamples whose difference exceeds the observed one; with its default
-    SACREBLEU_SEED the result is reproducible.
+    """sacreBLEU's paired bootstrap resampling (``sacrebleu --paired-bs -m bleu chrf``, Koehn
+    2004, as Moses' bootstrap-hypothesis-difference-significance.pl) of ``system`` against
+    ``baseline`` on the same test sentences, for BLEU and for chrF: both scores, the difference
+    and its p-value, which sacreBLEU computes from resamples whose difference exceeds the
+    observed one; with its default SACREBLEU_SEED the result is reproducible. BLEU's keys are
+    unprefixed, chrF's start with ``chrf_``.
 
     ``significant`` needs p < SIGNIFICANCE_LEVEL and a nonzero difference: when both systems
     score exactly the same, every resampled difference is 0 too and sacreBLEU's (c + 1) / (n + 1)
     gives the smallest p-value, 1 / (n + 1), for what is no difference at all."""
-    from sacrebleu.metrics import BLEU
+    from sacrebleu.metrics import BLEU, CHRF
     from sacrebleu.significance import PairedTest
     signatures, scores = PairedTest([("baseline", list(baseline)), ("system", list(system))],
-                                    {"BLEU": BLEU()}, [list(references)], test_type="bs",
-                                    n_samples=samples)()
-    base, other = scores["BLEU"]
-    delta = other.score - base.score
-    return {"baseline_bleu": base.score, "bleu": other.score, "delta": delta,
-            "p_value": other.p_value,
-            "significant": other.p_value < SIGNIFICANCE_LEVEL and delta != 0,
-            "signature": str(signatures["BLEU"])}
+                                    {"BLEU": BLEU(), "chrF": CHRF()}, [list(references)],
+                                    test_type="bs", n_samples=samples)()
+    result = {}
+    # sacreBLEU names the results by each metric's printed name (chrF with beta 2: "chrF2")
+    for metric, prefix in (("BLEU", ""), ("chrF2", "chrf_")):
+        base, other = scores[metric]
+        delta = other.score - base.score
+        name = prefix.rstrip("_") or "bleu"
+        result.update({
+            f"baseline_{name}": base.score, name: other.score, f"{prefix}delta": delta,
+            f"{prefix}p_value": other.p_value,
+            f"{prefix}significant": other.p_value < SIGNIFICANCE_LEVEL and delta != 0,
+            f"{prefix}signature": str(signatures[metric])})
+    return result
+
+
+def paired_t_test(deltas: Sequence[float]) -> Optional[dict]:
+    """The paired t-test over seeds of a system against the baseline (``deltas``: the
+    per-seed score differences, same seed, so same data order): t, degrees of freedom and the
+    two-sided p-value; None with fewer than two seeds or no spread."""
+    if len(deltas) < 2 or statistics.stdev(deltas) == 0:
+        return None
+    from scipy import stats  # scikit-learn's dependency, installed with fairseq
+    test = stats.ttest_1samp(list(deltas), 0.0)
+    return {"t": float(test.statistic), "df": len(deltas) - 1, "p_value": float(test.pvalue),
+            "significant": float(test.pvalue) < SIGNIFICANCE_LEVEL}
 
 
 def write_json(path: Path, value) -> None:
@@ -527,7 +569,8 @@ def translate(data_bin: Path, checkpoint: Path, out_prefix: Path, subset: str,
 
 
 def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_dir: Path,
-               budget: Budget, dict_size: int, runs_root: Path, device: str = "cpu") -> dict:
+               budget: Budget, dict_size: int, runs_root: Path, device: str = "cpu",
+               target: str = DEFAULT_TARGET) -> dict:
     """Train, average, (fold EWA), translate valid and test, score; returns the result record.
     A finished run (``result.json``) is read back instead of rerun."""
     result_path = run_dir / "result.json"
@@ -578,7 +621,7 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
             log(f"{system.name} seed {seed}: translating {subset}")
             translate(data_bin, test_checkpoint, run_dir / subset, subset, device)
         with IN_PROCESS:
-            scores[subset] = bleu_scores(generated)
+            scores[subset] = bleu_scores(generated, target)
 
     with IN_PROCESS:
         counts = count_parameters(system.arch, flags, dict_size)
@@ -599,19 +642,23 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         "test_bleu": scores["test"]["bleu"], "test_sacrebleu": scores["test"]["sacrebleu"],
         "test_multi_bleu": scores["test"]["multi_bleu"],
         "sacrebleu_signature": scores["test"]["sacrebleu_signature"],
+        "valid_chrf": scores["valid"]["chrf"], "test_chrf": scores["test"]["chrf"],
+        "chrf_signature": scores["test"]["chrf_signature"],
         # training, averaging, translation and scoring (of the last invocation, if resumed)
         "run_wall_seconds": round(time.monotonic() - start, 1),
     }
     write_json(result_path, result)
     log(f"{system.name} seed {seed}: test BLEU {result['test_bleu']:.2f} "
-        f"(sacreBLEU {result['test_sacrebleu']:.2f}), {result['updates']} updates")
+        f"(sacreBLEU {result['test_sacrebleu']:.2f}, chrF {result['test_chrf']:.2f}), "
+        f"{result['updates']} updates")
     return result
 
 
 # ------------------------------------------------------------------------------ reporting
 
 METRICS = ("train_tokens_per_second", "train_wall_minutes", "updates", "epochs", "valid_loss",
-           "valid_bleu", "valid_sacrebleu", "test_bleu", "test_sacrebleu")
+           "valid_bleu", "valid_sacrebleu", "test_bleu", "test_sacrebleu", "valid_chrf",
+           "test_chrf")
 
 
 def summarize(system: System, runs: List[dict]) -> dict:
@@ -634,32 +681,45 @@ def summarize(system: System, runs: List[dict]) -> dict:
     return summary
 
 
-def compare_systems(summary: dict, baseline: dict, runs_root: Path,
-                    cache: dict) -> Optional[dict]:
+def compare_systems(summary: dict, baseline: dict, runs_root: Path, cache: dict,
+                    target: str = DEFAULT_TARGET) -> Optional[dict]:
     """``summary`` against ``baseline``: per seed that both ran, the paired bootstrap of the
-    system's test translations against the baseline's (sacreBLEU on detokenized text, cached in
-    ``cache``); the difference of the means over seeds; ``significant`` when every seed's
-    difference is; and the validation losses compared (``_compare_valid_curves``). None when
-    they share no seed."""
+    system's test translations against the baseline's (sacreBLEU and chrF on detokenized text,
+    cached in ``cache``); the difference of the means over seeds; ``significant`` when every
+    seed's difference is (``chrf_significant`` for chrF); over the seeds, the paired t-test of
+    the per-seed differences (``across_seeds``, BLEU and chrF, from two seeds on); and the
+    validation losses compared (``_compare_valid_curves``). None when they share no seed.
+
+    Why a t-test over seeds: the bootstrap measures how much one model's score depends on which
+    test sentences were drawn, not how much it depends on the seed, which is what several seeds
+    measure; the seed is the unit that is replicated, and pairing by seed keeps the data order
+    (fairseq's seed) common to both systems. With three seeds it has 2 degrees of freedom, so
+    only a difference that is consistent across seeds can reach p < 0.05."""
     seeds = [seed for seed in summary["seeds"] if seed in baseline["seeds"]]
     per_seed = []
     for seed in seeds:
         key = (baseline["system"], summary["system"], seed)
         if key not in cache:
             base_hyps, refs = detokenized_translations(
-                runs_root / baseline["system"] / f"seed{seed}" / "test.generate")
+                runs_root / baseline["system"] / f"seed{seed}" / "test.generate", target)
             hyps, _ = detokenized_translations(
-                runs_root / summary["system"] / f"seed{seed}" / "test.generate")
+                runs_root / summary["system"] / f"seed{seed}" / "test.generate", target)
             cache[key] = {"seed": seed, **paired_bootstrap(base_hyps, hyps, refs)}
         per_seed.append(cache[key])
     if not per_seed:
         return None
     deltas = [c["delta"] for c in per_seed]
+    chrf_deltas = [c["chrf_delta"] for c in per_seed]
     return {
         "baseline": baseline["system"], "per_seed": per_seed,
         "delta_mean": statistics.fmean(deltas),
         "delta_std": statistics.stdev(deltas) if len(deltas) > 1 else None,
         "significant": all(c["significant"] for c in per_seed),
+        "chrf_delta_mean": statistics.fmean(chrf_deltas),
+        "chrf_delta_std": statistics.stdev(chrf_deltas) if len(chrf_deltas) > 1 else None,
+        "chrf_significant": all(c["chrf_significant"] for c in per_seed),
+        "across_seeds": {"test": "paired t-test over seeds", "bleu": paired_t_test(deltas),
+                         "chrf": paired_t_test(chrf_deltas)},
         "valid_loss": _compare_valid_curves(summary, baseline, seeds)}
 
 
@@ -707,22 +767,32 @@ def _valid_versus_cell(versus: Optional[dict]) -> str:
     return f"{100 * versus['mean_difference']:+.1f}% ({versus['lower']}/{versus['points']})"
 
 
-def _versus_cells(versus: Optional[dict]) -> Tuple[str, str]:
-    """The mean sacreBLEU difference to the other system (± its std over seeds; † when p >= 0.05
-    in some seed) and the p-value of each seed."""
-    if versus is None:
+def _versus_cells(versus: Optional[dict], metric: str = "") -> Tuple[str, str]:
+    """The mean sacreBLEU difference (``metric`` "chrf_": chrF's) to the other system (± its std
+    over seeds; † when p >= 0.05 in some seed) and the p-value of each seed."""
+    if versus is None or f"{metric}delta_mean" not in versus:
         return "-", "-"
-    std = versus["delta_std"]
-    delta = f"{versus['delta_mean']:+.2f}" + (f" ± {std:.2f}" if std is not None else "")
-    mark = "" if versus["significant"] else " †"
-    return delta + mark, ", ".join(f"{c['p_value']:.3f}" for c in versus["per_seed"])
+    std = versus[f"{metric}delta_std"]
+    delta = f"{versus[f'{metric}delta_mean']:+.2f}" + (f" ± {std:.2f}" if std is not None else "")
+    mark = "" if versus[f"{metric}significant"] else " †"
+    return delta + mark, ", ".join(f"{c[f'{metric}p_value']:.3f}" for c in versus["per_seed"])
+
+
+def _t_test_cell(versus: Optional[dict], metric: str) -> str:
+    """The paired t-test over seeds: p and t with its degrees of freedom, * when p < 0.05."""
+    test = ((versus or {}).get("across_seeds") or {}).get(metric)
+    if test is None:
+        return "-"
+    return (f"{test['p_value']:.3f}{' *' if test['significant'] else ''} "
+            f"(t({test['df']}) = {test['t']:+.2f})")
 
 
 def markdown_table(summaries: List[dict]) -> str:
     lines = ["| system | params (M) | active (M) | updates | epochs | train tok/s | "
              "train wall (min) | valid loss | loss gain, last 20% | valid loss vs deep, "
-             "last 20% | valid BLEU | test BLEU | test sacreBLEU | vs deep | p per seed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "last 20% | valid BLEU | test BLEU | test sacreBLEU | test chrF | vs deep | "
+             "p per seed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
         delta, p_values = _versus_cells(s.get("vs_deep"))
         lines.append(
@@ -732,7 +802,27 @@ def markdown_table(summaries: List[dict]) -> str:
             f"{_cell(s, 'train_wall_minutes', 1)} | {_cell(s, 'valid_loss', 3)} | "
             f"{_plateau_cell(s)} | {_valid_versus_cell(s.get('vs_deep'))} | "
             f"{_cell(s, 'valid_bleu', 2)} | {_cell(s, 'test_bleu', 2)} | "
-            f"{_cell(s, 'test_sacrebleu', 2)} | {delta} | {p_values} |")
+            f"{_cell(s, 'test_sacrebleu', 2)} | {_cell(s, 'test_chrf', 2)} | {delta} | "
+            f"{p_values} |")
+    return "\n".join(lines) + "\n"
+
+
+def versus_deep_table(summaries: List[dict]) -> str:
+    """Each system against deep in sacreBLEU and chrF: the mean difference over seeds, each
+    seed's paired bootstrap and the paired t-test over seeds; empty when no system was
+    compared."""
+    rows = [s for s in summaries if s.get("vs_deep")]
+    if not rows:
+        return ""
+    lines = ["| system | sacreBLEU vs deep | p per seed | p over seeds | chrF vs deep | "
+             "p per seed | p over seeds |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        versus = s["vs_deep"]
+        bleu, bleu_p = _versus_cells(versus)
+        chrf, chrf_p = _versus_cells(versus, "chrf_")
+        lines.append(f"| {s['system']} | {bleu} | {bleu_p} | {_t_test_cell(versus, 'bleu')} | "
+                     f"{chrf} | {chrf_p} | {_t_test_cell(versus, 'chrf')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -779,9 +869,15 @@ def _convergence_text(summaries: List[dict]) -> str:
 def markdown_report(report: dict) -> str:
     config, machine = report["config"], report["machine"]
     seeds = config["seeds"]
+    seed_list = config.get("seed_list", list(range(1, seeds + 1)))
+    seed_text = (f"{seeds} seed(s)" if seed_list == list(range(1, seeds + 1))
+                 else f"seed(s) {', '.join(map(str, seed_list))}")
     spread = " (mean ± sample std over seeds)" if seeds > 1 else ""
     signature = next((r["sacrebleu_signature"] for s in report["systems"] for r in s["runs"]),
                      "")
+    chrf_signature = next((r["chrf_signature"] for s in report["systems"] for r in s["runs"]
+                           if r.get("chrf_signature")), "")
+    chrf_text = f"; chrF: sacreBLEU's, `{chrf_signature}`" if chrf_signature else ""
     bootstrap = next((s["vs_deep"]["per_seed"][0]["signature"] for s in report["systems"]
                       if s.get("vs_deep")), "")
     usable = machine.get("usable_cpus", machine["cpus"])
@@ -793,8 +889,9 @@ def markdown_report(report: dict) -> str:
     parallel = (f", {parallel} runs at a time ({report['elapsed_seconds'] / 60:.1f} min "
                 "elapsed)" if parallel > 1 else "")
     lines = [
-        "# Multi30k En-De: width vs depth at equal parameters", "",
-        f"Budget: {_budget_text(config)}; {seeds} seed(s){spread}; data {config['data_tag']} "
+        f"# Multi30k {pair_name(config.get('target', DEFAULT_TARGET))}: width vs depth at equal "
+        "parameters", "",
+        f"Budget: {_budget_text(config)}; {seed_text}{spread}; data {config['data_tag']} "
         f"(BPE {BPE_MERGES} merges, joined dictionary of {config['dict_size']} types). "
         f"Machine: {machine['cpu']}, {machine['cpus']} CPUs{usable}, torch {machine['torch']} "
         f"with {threads}{gpu}{parallel}. Wall time of all runs (training, averaging, "
@@ -802,8 +899,8 @@ def markdown_report(report: dict) -> str:
         markdown_table(report["systems"]),
         "BLEU: tokenized multi-bleu (`multipath-score`, no compound split) of the averaged last "
         f"checkpoints (up to {AVERAGE_LAST}, the final partial epoch included); sacreBLEU on "
-        f"Moses-detokenized text, `{signature}`. Train tok/s: target tokens per second of "
-        "training (fairseq's wps); train wall: the whole fairseq-train process. Valid loss: the "
+        f"Moses-detokenized text, `{signature}`{chrf_text}. Train tok/s: target tokens per "
+        "second of training (fairseq's wps); train wall: the whole fairseq-train process. Valid loss: the "
         "last validation's cross-entropy (fairseq's nll_loss, bits per token, no label "
         "smoothing); loss gain, last 20%: how much the best validation loss improved over the "
         f"last {PLATEAU_WINDOW:.0%} of the updates (the largest over seeds); valid loss vs "
@@ -814,6 +911,14 @@ def markdown_report(report: dict) -> str:
         f"seed: sacreBLEU's paired bootstrap resampling of the two systems' test translations"
         f"{f' (`{bootstrap}`)' if bootstrap else ''}; † marks a difference that is not significant (p >= "
         f"{SIGNIFICANCE_LEVEL}, or no difference) in at least one seed.", ""]
+    versus = versus_deep_table(report["systems"])
+    if versus:
+        lines += ["Against deep in both metrics: the mean difference over seeds (± std), each "
+                  "seed's paired bootstrap (the same for chrF) and, over the seeds, the paired "
+                  "t-test of the per-seed differences (two-sided; * p < "
+                  f"{SIGNIFICANCE_LEVEL}; from two seeds on). The bootstrap asks whether the "
+                  "test set could have produced the difference by chance for these two models; "
+                  "the t-test whether another seed would likely give it again.", "", versus]
     convergence = _convergence_text(report["systems"])
     if convergence:
         lines += [convergence, ""]
@@ -1024,6 +1129,7 @@ def resolve_device(device: str, parallel: int, budget: Budget) -> str:
 
 
 def write_reports(report: dict, results: Path) -> None:
+    pair = pair_name(report["config"].get("target", DEFAULT_TARGET))
     results.mkdir(parents=True, exist_ok=True)
     write_json(results / "study.json", report)
     write_text_atomically(results / "study.md", markdown_report(report))
@@ -1031,13 +1137,14 @@ def write_reports(report: dict, results: Path) -> None:
         return
     budget = ("equal updates" if report["config"].get("budget_updates")
               else "equal training time")
-    plot(report["systems"], results / "study.png", f"Multi30k En-De, {budget} per system")
+    plot(report["systems"], results / "study.png", f"Multi30k {pair}, {budget} per system")
     plot_validation_loss(report["systems"], results / "study-valid-loss.png",
-                         f"Multi30k En-De, {budget}")
+                         f"Multi30k {pair}, {budget}")
 
 
 def summaries_of(systems: Sequence[System], finished: Dict[Tuple[str, int], dict],
-                 seeds: Sequence[int], runs_root: Path, cache: dict) -> List[dict]:
+                 seeds: Sequence[int], runs_root: Path, cache: dict,
+                 target: str = DEFAULT_TARGET) -> List[dict]:
     """The summaries of the systems whose seeds have all finished, each compared with the deep
     model and each Table 4 row with the row it changes, when those have finished."""
     summaries = [summarize(system, [finished[system.name, seed] for seed in seeds])
@@ -1049,7 +1156,7 @@ def summaries_of(systems: Sequence[System], finished: Dict[Tuple[str, int], dict
                        ("vs_ablation_step", by_name.get(ablation_step(summary["system"],
                                                                       by_name)))]
         for key, other in comparisons:
-            versus = (compare_systems(summary, other, runs_root, cache)
+            versus = (compare_systems(summary, other, runs_root, cache, target)
                       if other is not None and other is not summary else None)
             if versus is not None:
                 summary[key] = versus
@@ -1065,15 +1172,16 @@ def run_study(args) -> dict:
     device = resolve_device(args.device, args.parallel, budget)
     results = Path(args.results)
     data_bin = prepare(Path(args.data), Path(args.work), args.max_train_lines,
-                       args.max_eval_lines, args.workers)
+                       args.max_eval_lines, args.workers, args.target)
     dict_size = dictionary_size(data_bin)
     flags = resolve_flags(systems, dict_size)
     runs_root = data_bin.parent / budget.runs_dirname
-    seeds = list(range(1, args.seeds + 1))
+    seeds = args.seeds
     report = {
         "config": {"budget_minutes": budget.minutes, "budget_updates": budget.updates,
                    "validation_interval": budget.updates and validation_interval(budget.updates),
-                   "seeds": args.seeds, "systems": [s.name for s in systems],
+                   "seeds": len(seeds), "seed_list": seeds, "target": args.target,
+                   "systems": [s.name for s in systems],
                    "data": str(args.data), "data_tag": data_bin.parent.name,
                    "max_train_lines": args.max_train_lines,
                    "max_eval_lines": args.max_eval_lines, "dict_size": dict_size,
@@ -1091,17 +1199,19 @@ def run_study(args) -> dict:
     start = time.monotonic()
     finished: Dict[Tuple[str, int], dict] = {}
     cache: dict = {}
-    # jobs start in the study's order (base before EWA, which reads its update count under a
-    # time budget; there --parallel is 1, so each job ends before the next starts)
+    # jobs start seed by seed, each seed's systems in the study's order (base before EWA, which
+    # reads its update count under a time budget; there --parallel is 1, so each job ends
+    # before the next starts): an interrupted study has compared its systems on the first seeds
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         jobs = {pool.submit(run_system, system, flags[system.name], seed, data_bin,
                             runs_root / system.name / f"seed{seed}", budget, dict_size,
-                            runs_root, device): (system.name, seed)
-                for system in systems for seed in seeds}
+                            runs_root, device, args.target): (system.name, seed)
+                for seed in seeds for system in systems}
         try:
             for job in as_completed(jobs):
                 finished[jobs[job]] = job.result()
-                report["systems"] = summaries_of(systems, finished, seeds, runs_root, cache)
+                report["systems"] = summaries_of(systems, finished, seeds, runs_root, cache,
+                                                 args.target)
                 report["runs_wall_seconds"] = round(sum(
                     r["run_wall_seconds"] for r in finished.values()), 1)
                 report["elapsed_seconds"] = round(time.monotonic() - start, 1)
@@ -1121,6 +1231,19 @@ def _positive_int(value):
     return number
 
 
+def seed_list(value: str) -> List[int]:
+    """``--seeds``: N (seeds 1 to N) or FIRST-LAST (e.g. 2-3)."""
+    first, _, last = value.partition("-")
+    try:
+        seeds = list(range(int(first), int(last) + 1)) if last else list(range(1, int(first) + 1))
+    except ValueError:
+        seeds = []
+    if not seeds or seeds[0] < 1:
+        raise argparse.ArgumentTypeError(
+            f"give N (seeds 1 to N) or FIRST-LAST with 1 <= FIRST <= LAST, got {value!r}")
+    return seeds
+
+
 def _positive_float(value):
     number = float(value)
     if number <= 0:
@@ -1138,8 +1261,13 @@ def build_parser():
     budget.add_argument("--budget-minutes", type=_positive_float,
                         help="instead of equal updates: the same training time per system and "
                              "seed (fairseq --stop-time-hours), without validation")
-    parser.add_argument("--seeds", type=_positive_int, default=1,
-                        help="runs per system with seeds 1..N; the table shows mean and spread")
+    parser.add_argument("--seeds", type=seed_list, default=[1],
+                        help="N: runs per system with seeds 1..N; FIRST-LAST: those seeds only "
+                             "(a study spread over machines or sessions); the table shows mean "
+                             "and spread")
+    parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET,
+                        help="the language pair: English into German (default) or French, "
+                             "from the same Multi30k images' captions")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="cuda: train in train.sh's mixed precision (--amp --bf16 where the "
                              "GPU has bfloat16, else --amp; the same for every system) and "
