@@ -19,290 +19,52 @@ A stage is built in ``NAME.partial`` and renamed to ``NAME`` after its ``.done``
 the stage's parameters) is written, so a finished-looking directory is always complete. A rerun
 skips stages whose ``.done`` matches, rebuilds those whose parameters changed, and throws away
 any ``.partial`` left by an interrupted run.
+
+This module runs the stages for a user's corpus (:func:`prepare_corpus`) and a WMT direction
+(:func:`prepare_wmt`) and downloads the WMT archives; the pieces sit beside it:
+:mod:`~multipath_nmt.pipeline.stages` (the stage directories and the text files),
+:mod:`~multipath_nmt.pipeline.text` (Moses, cleaning, the worker pools) and
+:mod:`~multipath_nmt.pipeline.archives` (checking, joining and extracting the WMT releases,
+Table 1's sizes).
 """
-import gzip
-import hashlib
 import http.client
 import io
-import json
-import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
-import zipfile
-from itertools import chain, islice
+from itertools import chain
 from pathlib import Path
 
-import regex
-from sacremoses import MosesPunctNormalizer, MosesTokenizer
-from sacremoses.corpus import NonbreakingPrefixes
-from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
 
 from multipath_nmt.atomic_files import write_text_atomically
+# The stages, the text processing and the WMT archives live in the modules beside this one; their
+# names are imported here too, where the CLI, the study and the tests import them from.
+from multipath_nmt.pipeline.archives import (  # noqa: F401
+    TABLE1_TOLERANCE, _archive_members, _corpus_lines, _from_raw_dir, _join, _pair_members,
+    archive_problem, compare_with_reference, compare_with_table1, extract_members, file_digest,
+    mirror_url,
+)
+from multipath_nmt.pipeline.stages import (  # noqa: F401
+    DONE, SPLITS, PrepareError, Progress, check_languages, check_parallel, count_lines, log,
+    open_text, read_lines, run_stage, stamp_of, write_lines, write_to,
+)
+from multipath_nmt.pipeline.text import (  # noqa: F401
+    CHUNK_LINES, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH, CLEAN_MIN, CLEAN_RATIO, DIE_WITH_PARENT,
+    NON_PRINTING, _bpe_chunk, _chunks, _in_pool_worker, _init_bpe, _init_tokenizer,
+    _tokenize_chunk, clean_pair, map_file, moses_tokenize, remove_non_printing,
+)
 from multipath_nmt.pipeline.wmt import ARCHIVES, TASKS
-from multipath_nmt.scoring import sgm_to_text
+from multipath_nmt.scoring import sgm_to_text  # noqa: F401
 
-DONE = ".done"
-SPLITS = ("train", "valid", "test")
-CHUNK_LINES = 2000
-# clean-corpus-n.perl arguments used by fairseq's WMT scripts: -ratio 1.5 CORPUS L1 L2 OUT 1 250
-CLEAN_RATIO, CLEAN_MIN, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH = 1.5, 1, 250, 1000
-# remove-non-printing-char.perl replaces every \p{C} character with a space (sacremoses'
-# post_remove_control_chars deletes it instead, which would glue the neighbouring words).
-NON_PRINTING = regex.compile(r"\p{C}")
-# Consecutive failed attempts (no byte received) before a download gives up, and the wait per failure.
+# Consecutive failed attempts (no byte received) before a download gives up, and the wait per
+# failure. The download reads them from this module at each call (the tests and
+# tests/helpers/prepare_wmt_from_mirror.py set them here), so it lives here, not in archives.py.
 DOWNLOAD_RETRIES, RETRY_WAIT = 5, 2.0
-# A prepared split whose size is off Table 1's by more than this fraction is reported.
-TABLE1_TOLERANCE = 0.10
-
-
-class PrepareError(Exception):
-    """Bad input or a failed step; the message names the file and the fix."""
-
-
-def log(message):
-    print(message, file=sys.stderr, flush=True)
-
-
-class Progress:
-    """A counter printed on stderr at most every ``interval`` seconds, and once at the end."""
-
-    def __init__(self, label, total=0, unit="lines", scale=1, interval=2.0):
-        self.label, self.total, self.unit, self.scale, self.interval = label, total, unit, scale, interval
-        self.count, self.last = 0, time.monotonic()
-
-    def update(self, n):
-        self.count += n
-        if time.monotonic() - self.last >= self.interval:
-            self._print()
-
-    def _print(self):
-        self.last = time.monotonic()
-        done = f"{self.count / self.scale:,.0f}" if self.scale == 1 else f"{self.count / self.scale:,.1f}"
-        if self.total:
-            log(f"  {self.label}: {done} / {self.total / self.scale:,.1f} {self.unit} "
-                f"({100 * self.count / self.total:.0f}%)")
-        else:
-            log(f"  {self.label}: {done} {self.unit}")
-
-    def close(self):
-        self._print()
-
-
-# ---------------------------------------------------------------------------- stages and files
-
-def run_stage(final, label, params, build):
-    """Build directory ``final`` with ``build(tmp_dir)`` unless it is finished with ``params``."""
-    final = Path(final)
-    marker = final / DONE
-    stamp = json.dumps(params, sort_keys=True, default=str)
-    if marker.is_file():
-        if marker.read_text(encoding="utf-8") == stamp:
-            log(f"[{label}] finished earlier, skipping: {final}")
-            return final
-        log(f"[{label}] parameters or inputs changed, rebuilding: {final}")
-    elif final.exists() and (not final.is_dir() or any(final.iterdir())):
-        raise PrepareError(f"{final} exists but was not written by multipath-prepare (it has no {DONE}); "
-                           "remove it or choose another output directory")
-    partial = final.with_name(final.name + ".partial")
-    if partial.exists():
-        log(f"[{label}] removing the unfinished {partial} of an interrupted run")
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-    log(f"[{label}] building {final}")
-    try:
-        build(partial)
-    except PrepareError:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    (partial / DONE).write_text(stamp, encoding="utf-8")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    return final
-
-
-def stamp_of(path):
-    """Identity of an input file for the .done parameters: a changed file triggers a rebuild."""
-    st = Path(path).stat()
-    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def open_text(path):
-    """UTF-8 text, gzipped or not; lines end at "\\n" only, like Perl's (a stray "\\r" stays in the line)."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", newline="\n")
-    return open(path, encoding="utf-8", newline="\n")
-
-
-def read_lines(path):
-    number = 0
-    with open_text(path) as f:
-        try:
-            for number, line in enumerate(f, 1):
-                yield line[:-1] if line.endswith("\n") else line
-        except UnicodeDecodeError as e:
-            raise PrepareError(f"{path} is not UTF-8 text (after line {number}): {e}; "
-                               "convert it, e.g. iconv -f LATIN1 -t UTF-8") from None
-        except (OSError, EOFError) as e:
-            raise PrepareError(f"cannot read {path}: {e}; the file is damaged, replace it") from None
-
-
-def write_to(out, lines):
-    count = 0
-    for line in lines:
-        out.write(line + "\n")
-        count += 1
-    return count
-
-
-def write_lines(path, lines):
-    with open(path, "w", encoding="utf-8", newline="\n") as out:
-        return write_to(out, lines)
-
-
-def check_parallel(path_a, path_b, count_a, count_b):
-    for path, count in ((path_a, count_a), (path_b, count_b)):
-        if count == 0:
-            raise PrepareError(f"input file is empty: {path}; give a file with one sentence per line")
-    if count_a != count_b:
-        raise PrepareError(f"parallel files have different line counts: {path_a} has {count_a:,} lines but "
-                           f"{path_b} has {count_b:,}; they must be aligned line by line (line i of one "
-                           "file is the translation of line i of the other)")
-
-
-def check_languages(*langs):
-    known = sorted({code for code in NonbreakingPrefixes().available_langs.values()})
-    for lang in langs:
-        if lang not in known:
-            raise PrepareError(f"unknown language code {lang!r}: the Moses tokenizer knows {', '.join(known)}; "
-                               "use the ISO 639-1 code of the language (e.g. en, de, fr)")
-    if len(set(langs)) != len(langs):
-        raise PrepareError(f"source and target language are the same ({langs[0]}); give two different codes")
-
-
-# ------------------------------------------------------------------- per-line text processing
-
-def remove_non_printing(line):
-    return NON_PRINTING.sub(" ", line)
-
-
-def moses_tokenize(line, normalizer, tokenizer):
-    """normalize-punctuation.perl | remove-non-printing-char.perl | tokenizer.perl -a (escaping on)."""
-    line = remove_non_printing(normalizer.normalize(line))
-    return tokenizer.tokenize(line, escape=True, aggressive_dash_splits=True, return_str=True)
-
-
-def clean_pair(a, b, ratio=CLEAN_RATIO, min_len=CLEAN_MIN, max_len=CLEAN_MAX,
-               max_word_length=CLEAN_MAX_WORD_LENGTH):
-    """clean-corpus-n.perl on one sentence pair: the cleaned pair, or None when it is dropped."""
-    a = " ".join(a.replace("|", "").split())
-    b = " ".join(b.replace("|", "").split())
-    if not a or not b:
-        return None
-    words_a, words_b = a.split(" "), b.split(" ")
-    if not (min_len <= len(words_a) <= max_len and min_len <= len(words_b) <= max_len):
-        return None
-    if len(words_a) / len(words_b) > ratio or len(words_b) / len(words_a) > ratio:
-        return None
-    if max(map(len, words_a)) > max_word_length or max(map(len, words_b)) > max_word_length:
-        return None
-    return a, b
-
-
-_worker = {}
-
-# After a kill -9 of multipath-prepare, none of its children may go on writing into a stage's
-# .partial folder while the next run removes and rebuilds it: each is SIGKILLed when its parent
-# dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing is done). fairseq-preprocess runs through
-# this bootstrap (argv: our pid, the module, its arguments), which does the same for every
-# process it forks (its --workers).
-DIE_WITH_PARENT = """
-import ctypes, os, runpy, signal, sys
-try:
-    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    prctl = None
-def arm(parent):
-    if prctl is not None:
-        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the call
-            os._exit(1)
-arm(int(sys.argv[1]))
-forking = {}
-os.register_at_fork(before=lambda: forking.update(pid=os.getpid()),
-                    after_in_child=lambda: arm(forking["pid"]))
-sys.argv = sys.argv[2:]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-"""
-
-
-def _in_pool_worker():
-    """A worker of our own pools (tokenize, BPE) dies with multipath-prepare, as above."""
-    parent = multiprocessing.parent_process()
-    if parent is not None and sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent.pid:
-            os._exit(1)
-
-
-def _init_tokenizer(lang):
-    _in_pool_worker()
-    _worker["normalizer"] = MosesPunctNormalizer(lang)
-    _worker["tokenizer"] = MosesTokenizer(lang)
-
-
-def _tokenize_chunk(lines):
-    return [moses_tokenize(line, _worker["normalizer"], _worker["tokenizer"]) for line in lines]
-
-
-def _init_bpe(codes_path):
-    _in_pool_worker()
-    with open(codes_path, encoding="utf-8") as codes:
-        _worker["bpe"] = BPE(codes)
-
-
-def _bpe_chunk(lines):
-    return [_worker["bpe"].process_line(line) for line in lines]
-
-
-def _chunks(lines, size):
-    lines = iter(lines)
-    while chunk := list(islice(lines, size)):
-        yield chunk
-
-
-def map_file(src, dst, func, init, init_args, workers, label, chunk_lines=CHUNK_LINES):
-    """Write ``func`` of each chunk of lines of ``src`` to ``dst`` in order, over ``workers`` processes."""
-    progress = Progress(label)
-    with open(dst, "w", encoding="utf-8", newline="\n") as out:
-        def write(chunk):
-            out.writelines(line + "\n" for line in chunk)
-            progress.update(len(chunk))
-
-        if workers > 1:
-            with multiprocessing.Pool(workers, initializer=init, initargs=init_args) as pool:
-                for chunk in pool.imap(func, _chunks(read_lines(src), chunk_lines), chunksize=1):
-                    write(chunk)
-        else:
-            init(*init_args)
-            for chunk in _chunks(read_lines(src), chunk_lines):
-                write(func(chunk))
-    progress.close()
 
 
 # ------------------------------------------------------------------------ the common stages
@@ -414,58 +176,6 @@ def prepare_corpus(src, tgt, train, valid, test, out, bpe_merges=32000, workers=
 
 # ------------------------------------------------------------------------------------- WMT
 
-def mirror_url(url, mirror):
-    """``url`` with its scheme and host replaced by ``mirror`` (which may carry a path prefix)."""
-    if not mirror:
-        return url
-    return mirror.rstrip("/") + urllib.parse.urlsplit(url).path
-
-
-def file_digest(path, algorithm):
-    """Hex digest of a file, read in 1 MB blocks."""
-    digest = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def archive_problem(path, archive):
-    """Why ``path`` is not ``archive`` as released: a checksum mismatch, or (when no checksum is
-    published) an archive that does not read to its end; None when it is fine."""
-    if archive.checksum:
-        algorithm, expected = archive.checksum
-        log(f"  checking the {algorithm} of {path.name}")
-        found = file_digest(path, algorithm)
-        return None if found == expected else f"its {algorithm} is {found}, the release's is {expected}"
-    log(f"  no published checksum for {path.name}: reading it through to check it is complete")
-    try:
-        for _, f in _archive_members(path, archive.filename):
-            while f.read(1 << 20):
-                pass
-    except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError, PrepareError) as e:
-        return f"it does not read as an archive ({e})"
-    if archive.reference:
-        log("  " + compare_with_reference(path, archive))
-    return None
-
-
-def compare_with_reference(path, archive):
-    """Whether ``path`` is the copy that ``archive.reference`` (size, sha256, whose) describes, as a
-    sentence to log. Never an error: the reference is someone else's copy, not a published checksum."""
-    size, sha256, whose = archive.reference
-    found = path.stat().st_size
-    if found == size:
-        digest = file_digest(path, "sha256")
-        if digest == sha256:
-            return f"{archive.filename} matches {whose}: same size ({size:,} bytes) and sha256 ({sha256})"
-        difference = f"same size ({size:,} bytes) but sha256 {digest}, not {sha256}"
-    else:
-        difference = f"{found:,} bytes, not {size:,}"
-    return (f"{archive.filename} does NOT match {whose}: {difference}. No checksum is published for this "
-            "release and it reads to its end, so it is used; it is not the copy others pinned")
-
-
 def _content_range_total(response):
     """The full size from ``Content-Range: bytes A-B/TOTAL`` (0 when unknown)."""
     total = response.headers.get("Content-Range", "").rpartition("/")[2]
@@ -543,53 +253,6 @@ def _download_checked(archive, urls, target):
                        "folder as --raw-dir")
 
 
-def _join(pieces, joined):
-    """``cat pieces > joined`` (a release split into pieces, like the UN corpus)."""
-    log(f"  joining {', '.join(p.name for p in pieces)} into {joined.name}")
-    with open(joined, "wb") as out:
-        for piece in pieces:
-            with open(piece, "rb") as f:
-                shutil.copyfileobj(f, out, 1 << 20)
-    return joined
-
-
-def _from_raw_dir(archive, raw_dir, downloads):
-    """The archive in --raw-dir (whole, or as its parts, joined into downloads/), checked once per
-    file version; None when --raw-dir does not hold it."""
-    raw_dir = Path(raw_dir)
-    path = raw_dir / archive.filename
-    part_names = [url.rsplit("/", 1)[-1] for url in archive.parts]
-    if not path.is_file():
-        if not part_names or not all((raw_dir / n).is_file() for n in part_names):
-            return None
-        path = Path(downloads) / archive.filename
-        if path.is_file():  # only a checked join gets its final name
-            log(f"[download] joined earlier, skipping: {path}")
-            return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        joined = _join([raw_dir / n for n in part_names], path.with_name(path.name + ".part"))
-        problem = archive_problem(joined, archive)
-        if problem:
-            joined.unlink()
-            raise PrepareError(f"{', '.join(part_names)} in {raw_dir} do not join into the release this task "
-                               f"expects: {problem}; replace them with the files from {archive.parts[0]} ...")
-        os.replace(joined, path)
-        log(f"[download] joined {', '.join(part_names)} from {raw_dir} into {path}")
-        return path
-    log(f"[download] using {path}")
-    verified = Path(downloads) / (archive.filename + ".verified")
-    stamp = json.dumps(stamp_of(path), sort_keys=True)
-    if verified.is_file() and verified.read_text(encoding="utf-8") == stamp:
-        return path
-    problem = archive_problem(path, archive)
-    if problem:
-        raise PrepareError(f"{path} is not the release this task expects: {problem}; replace it with the "
-                           f"file from {archive.url}")
-    verified.parent.mkdir(parents=True, exist_ok=True)
-    verified.write_text(stamp, encoding="utf-8")
-    return path
-
-
 def fetch(archive, downloads, raw_dir=None, mirror=None):
     """The local path of ``archive``: from --raw-dir, an earlier download, or a fresh download
     (resumable, checked against the pinned checksum, fetched again when damaged)."""
@@ -602,77 +265,6 @@ def fetch(archive, downloads, raw_dir=None, mirror=None):
     target.parent.mkdir(parents=True, exist_ok=True)
     urls = [mirror_url(url, mirror) for url in (archive.parts or (archive.url,))]
     return _download_checked(archive, urls, target)
-
-
-def _archive_members(path, name=None):
-    """(name, binary file object) for each regular file of a tar/tgz/zip/gz archive, streamed; the
-    type is taken from ``name`` (default: the file's name)."""
-    name = name or path.name
-    if name.endswith(".zip"):
-        with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                if not info.is_dir():
-                    with z.open(info) as f:
-                        yield info.filename, f
-    elif name.endswith((".tgz", ".tar.gz", ".tar")):
-        with tarfile.open(path, "r:*") as tar:
-            for member in tar:
-                if member.isfile():
-                    yield member.name, tar.extractfile(member)
-    elif name.endswith(".gz"):
-        with gzip.open(path, "rb") as f:
-            yield name[:-3], f
-    else:
-        raise PrepareError(f"unknown archive type: {path}; expected .tgz, .tar, .zip or .gz")
-
-
-def extract_members(archive_path, members, dest):
-    """Copy ``members`` (paths as in the release, matched with or without a leading folder) to ``dest``."""
-    wanted = set(members)
-    try:
-        for name, f in _archive_members(archive_path):
-            name = name.removeprefix("./")
-            match = next((m for m in wanted if name == m or name.endswith("/" + m)), None)
-            if match is None:
-                continue
-            target = dest / match
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as out:
-                shutil.copyfileobj(f, out, 1 << 20)
-            log(f"  {archive_path.name}: {name}")
-            wanted.discard(match)
-            if not wanted:
-                break
-    except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as e:
-        raise PrepareError(f"cannot read archive {archive_path}: {e}; it is damaged or incomplete, "
-                           "delete it and run again") from None
-    if wanted:
-        raise PrepareError(f"{archive_path} has no member {', '.join(sorted(wanted))}; it is not the release "
-                           f"this task expects, delete it and download it again")
-
-
-def _pair_members(pair):
-    members = {}
-    for corpus in pair.train:
-        paths = [corpus.member] if corpus.bitext_langs else [corpus.member.format(lang=l) for l in pair.langs]
-        members.setdefault(corpus.archive, []).extend(paths)
-    for evalset in (*pair.valid, pair.test):
-        members.setdefault(evalset.archive, []).extend([evalset.en, evalset.xx])
-    return members
-
-
-def _corpus_lines(extract, corpus, lang):
-    if corpus.bitext_langs:
-        path = extract / corpus.archive / corpus.member
-        column = corpus.bitext_langs.index(lang)
-        for number, line in enumerate(read_lines(path), 1):
-            fields = line.split("|||")
-            if len(fields) != 2:
-                raise PrepareError(f"{path} line {number} is not 'source ||| target'; the archive is not the "
-                                   "expected release, delete it and download it again")
-            yield fields[column].strip()
-    else:
-        yield from read_lines(extract / corpus.archive / corpus.member.format(lang=lang))
 
 
 def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges=32000, work_dir=None):
@@ -736,31 +328,3 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
     for warning in warnings:
         log(f"warning: {warning}")
     return result
-
-
-def count_lines(path):
-    """Number of "\n"-terminated lines of a file, counted on bytes."""
-    lines = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            lines += block.count(b"\n")
-    return lines
-
-
-def compare_with_table1(pair, counts):
-    """The prepared sizes next to Table 1's, and a warning per split off by more than
-    TABLE1_TOLERANCE, with the known reason. ``counts``: split -> (pairs before cleaning, pairs kept).
-    Table 1 does not say whether it counts before or after cleaning, so a split is within Table 1
-    when either count is."""
-    report, warnings = [], []
-    for split in SPLITS:
-        before, kept = counts[split]
-        expected = getattr(pair.table1, split)
-        shown = f"{kept:,}" if kept == before else f"{before:,} -> {kept:,} after cleaning"
-        report.append(f"{split} {shown} (Table 1: {expected:,})")
-        if min(abs(before - expected), abs(kept - expected)) > TABLE1_TOLERANCE * expected:
-            gap = (kept - expected) / expected
-            reason = pair.table1.notes.get(split, "reason unknown: check the archives and the log above")
-            warnings.append(f"{pair.name} {split} has {kept:,} sentence pairs, {abs(gap):.0%} "
-                            f"{'below' if gap < 0 else 'above'} the paper's Table 1 ({expected:,}): {reason}")
-    return "; ".join(report), warnings

@@ -1,0 +1,150 @@
+"""The stage machinery of ``multipath-prepare`` (see :mod:`multipath_nmt.pipeline.prepare`): a
+stage is a directory built in ``NAME.partial`` and renamed after its ``.done`` file (the stage's
+parameters) is written; and the text files the stages read and write, with the checks that name
+the file and the fix.
+"""
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from sacremoses.corpus import NonbreakingPrefixes
+
+DONE = ".done"
+SPLITS = ("train", "valid", "test")
+
+
+class PrepareError(Exception):
+    """Bad input or a failed step; the message names the file and the fix."""
+
+
+def log(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """A counter printed on stderr at most every ``interval`` seconds, and once at the end."""
+
+    def __init__(self, label, total=0, unit="lines", scale=1, interval=2.0):
+        self.label, self.total, self.unit, self.scale, self.interval = label, total, unit, scale, interval
+        self.count, self.last = 0, time.monotonic()
+
+    def update(self, n):
+        self.count += n
+        if time.monotonic() - self.last >= self.interval:
+            self._print()
+
+    def _print(self):
+        self.last = time.monotonic()
+        done = f"{self.count / self.scale:,.0f}" if self.scale == 1 else f"{self.count / self.scale:,.1f}"
+        if self.total:
+            log(f"  {self.label}: {done} / {self.total / self.scale:,.1f} {self.unit} "
+                f"({100 * self.count / self.total:.0f}%)")
+        else:
+            log(f"  {self.label}: {done} {self.unit}")
+
+    def close(self):
+        self._print()
+
+
+def run_stage(final, label, params, build):
+    """Build directory ``final`` with ``build(tmp_dir)`` unless it is finished with ``params``."""
+    final = Path(final)
+    marker = final / DONE
+    stamp = json.dumps(params, sort_keys=True, default=str)
+    if marker.is_file():
+        if marker.read_text(encoding="utf-8") == stamp:
+            log(f"[{label}] finished earlier, skipping: {final}")
+            return final
+        log(f"[{label}] parameters or inputs changed, rebuilding: {final}")
+    elif final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise PrepareError(f"{final} exists but was not written by multipath-prepare (it has no {DONE}); "
+                           "remove it or choose another output directory")
+    partial = final.with_name(final.name + ".partial")
+    if partial.exists():
+        log(f"[{label}] removing the unfinished {partial} of an interrupted run")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    log(f"[{label}] building {final}")
+    try:
+        build(partial)
+    except PrepareError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    (partial / DONE).write_text(stamp, encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    return final
+
+
+def stamp_of(path):
+    """Identity of an input file for the .done parameters: a changed file triggers a rebuild."""
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def open_text(path):
+    """UTF-8 text, gzipped or not; lines end at "\\n" only, like Perl's (a stray "\\r" stays in the line)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="\n")
+    return open(path, encoding="utf-8", newline="\n")
+
+
+def read_lines(path):
+    number = 0
+    with open_text(path) as f:
+        try:
+            for number, line in enumerate(f, 1):
+                yield line[:-1] if line.endswith("\n") else line
+        except UnicodeDecodeError as e:
+            raise PrepareError(f"{path} is not UTF-8 text (after line {number}): {e}; "
+                               "convert it, e.g. iconv -f LATIN1 -t UTF-8") from None
+        except (OSError, EOFError) as e:
+            raise PrepareError(f"cannot read {path}: {e}; the file is damaged, replace it") from None
+
+
+def write_to(out, lines):
+    count = 0
+    for line in lines:
+        out.write(line + "\n")
+        count += 1
+    return count
+
+
+def write_lines(path, lines):
+    with open(path, "w", encoding="utf-8", newline="\n") as out:
+        return write_to(out, lines)
+
+
+def check_parallel(path_a, path_b, count_a, count_b):
+    for path, count in ((path_a, count_a), (path_b, count_b)):
+        if count == 0:
+            raise PrepareError(f"input file is empty: {path}; give a file with one sentence per line")
+    if count_a != count_b:
+        raise PrepareError(f"parallel files have different line counts: {path_a} has {count_a:,} lines but "
+                           f"{path_b} has {count_b:,}; they must be aligned line by line (line i of one "
+                           "file is the translation of line i of the other)")
+
+
+def check_languages(*langs):
+    known = sorted({code for code in NonbreakingPrefixes().available_langs.values()})
+    for lang in langs:
+        if lang not in known:
+            raise PrepareError(f"unknown language code {lang!r}: the Moses tokenizer knows {', '.join(known)}; "
+                               "use the ISO 639-1 code of the language (e.g. en, de, fr)")
+    if len(set(langs)) != len(langs):
+        raise PrepareError(f"source and target language are the same ({langs[0]}); give two different codes")
+
+
+def count_lines(path):
+    """Number of "\n"-terminated lines of a file, counted on bytes."""
+    lines = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            lines += block.count(b"\n")
+    return lines
