@@ -23,7 +23,8 @@ same batches. One module per job, so that each measurement can be read, and chan
 - ``report``: the targets as measured ratios, and bench.json / bench.md / bench.png.
 - ``gpu_check``: the GPU check of ``scripts/gpu-check.sh``, a tool of its own on the same
   systems, batches, clock and FLOP counting; it lives here because it is built from them and,
-  like the benchmark, only the CLI calls it.
+  like the benchmark, only the CLI calls it. Its parts are ``gpu_check_setup``,
+  ``gpu_check_training``, ``gpu_check_ddp`` and ``gpu_check_report``.
 
 ``multipath_nmt.cli.bench`` parses arguments and calls :func:`run`, :func:`write_reports` and
 :func:`markdown_report`, re-exported here with the line-up they take.
