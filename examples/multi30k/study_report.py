@@ -1,0 +1,199 @@
+"""The Multi30k study's report (see study.py): study.md, its tables of the systems, against the
+deep model and along the paper's ablation, and the text around them.
+"""
+from typing import List, Optional, Tuple
+
+from study_systems import (
+    AVERAGE_LAST, BASELINE, BPE_MERGES, DEFAULT_TARGET, PLATEAU_TOLERANCE, PLATEAU_WINDOW,
+    SHARED_MODEL, SHARED_RECIPE, SIGNIFICANCE_LEVEL, Budget, pair_name,
+)
+
+
+def _cell(summary, metric, digits):
+    mean, std = summary["mean"].get(metric), summary["std"].get(metric)
+    if mean is None:
+        return "-"
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "")
+
+
+def _plateau_cell(summary):
+    check = summary.get("valid_plateau")
+    return "-" if check is None else f"{100 * check['max_improvement']:.2f}%"
+
+
+def _valid_versus_cell(versus: Optional[dict]) -> str:
+    """The validation loss's mean relative difference to the other system's over the last 20% of
+    training, and at how many of those validations (all seeds) it was lower."""
+    versus = (versus or {}).get("valid_loss")
+    if versus is None:
+        return "-"
+    return f"{100 * versus['mean_difference']:+.1f}% ({versus['lower']}/{versus['points']})"
+
+
+def _versus_cells(versus: Optional[dict], metric: str = "") -> Tuple[str, str]:
+    """The mean sacreBLEU difference (``metric`` "chrf_": chrF's) to the other system (± its std
+    over seeds; † when p >= 0.05 in some seed) and the p-value of each seed."""
+    if versus is None or f"{metric}delta_mean" not in versus:
+        return "-", "-"
+    std = versus[f"{metric}delta_std"]
+    delta = f"{versus[f'{metric}delta_mean']:+.2f}" + (f" ± {std:.2f}" if std is not None else "")
+    mark = "" if versus[f"{metric}significant"] else " †"
+    return delta + mark, ", ".join(f"{c[f'{metric}p_value']:.3f}" for c in versus["per_seed"])
+
+
+def _t_test_cell(versus: Optional[dict], metric: str) -> str:
+    """The paired t-test over seeds: p and t with its degrees of freedom, * when p < 0.05."""
+    test = ((versus or {}).get("across_seeds") or {}).get(metric)
+    if test is None:
+        return "-"
+    return (f"{test['p_value']:.3f}{' *' if test['significant'] else ''} "
+            f"(t({test['df']}) = {test['t']:+.2f})")
+
+
+def markdown_table(summaries: List[dict]) -> str:
+    lines = ["| system | params (M) | active (M) | updates | epochs | train tok/s | "
+             "train wall (min) | valid loss | loss gain, last 20% | valid loss vs deep, "
+             "last 20% | valid BLEU | test BLEU | test sacreBLEU | test chrF | vs deep | "
+             "p per seed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        delta, p_values = _versus_cells(s.get("vs_deep"))
+        lines.append(
+            f"| {s['system']}: {s['label']} | {s['params'] / 1e6:.2f} | "
+            f"{s['active_params'] / 1e6:.2f} | {_cell(s, 'updates', 0)} | "
+            f"{_cell(s, 'epochs', 2)} | {_cell(s, 'train_tokens_per_second', 0)} | "
+            f"{_cell(s, 'train_wall_minutes', 1)} | {_cell(s, 'valid_loss', 3)} | "
+            f"{_plateau_cell(s)} | {_valid_versus_cell(s.get('vs_deep'))} | "
+            f"{_cell(s, 'valid_bleu', 2)} | {_cell(s, 'test_bleu', 2)} | "
+            f"{_cell(s, 'test_sacrebleu', 2)} | {_cell(s, 'test_chrf', 2)} | {delta} | "
+            f"{p_values} |")
+    return "\n".join(lines) + "\n"
+
+
+def versus_deep_table(summaries: List[dict]) -> str:
+    """Each system against deep in sacreBLEU and chrF: the mean difference over seeds, each
+    seed's paired bootstrap and the paired t-test over seeds; empty when no system was
+    compared."""
+    rows = [s for s in summaries if s.get("vs_deep")]
+    if not rows:
+        return ""
+    lines = ["| system | sacreBLEU vs deep | p per seed | p over seeds | chrF vs deep | "
+             "p per seed | p over seeds |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        versus = s["vs_deep"]
+        bleu, bleu_p = _versus_cells(versus)
+        chrf, chrf_p = _versus_cells(versus, "chrf_")
+        lines.append(f"| {s['system']} | {bleu} | {bleu_p} | {_t_test_cell(versus, 'bleu')} | "
+                     f"{chrf} | {chrf_p} | {_t_test_cell(versus, 'chrf')} |")
+    return "\n".join(lines) + "\n"
+
+
+def ablation_table(summaries: List[dict]) -> str:
+    """Table 4's steps: each multi-path row that ran against the row it changes; empty when
+    no step ran."""
+    rows = [s for s in summaries if s.get("vs_ablation_step")]
+    if not rows:
+        return ""
+    lines = ["| row | against | test sacreBLEU | difference | p per seed | "
+             "valid loss difference, last 20% |",
+             "|---|---|---:|---:|---:|---:|"]
+    for s in rows:
+        versus = s["vs_ablation_step"]
+        delta, p_values = _versus_cells(versus)
+        lines.append(f"| {s['system']}: {s['label']} | {versus['baseline']} | "
+                     f"{_cell(s, 'test_sacrebleu', 2)} | {delta} | {p_values} | "
+                     f"{_valid_versus_cell(versus)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _budget_text(config: dict) -> str:
+    if config.get("budget_updates"):
+        return Budget(updates=config["budget_updates"]).describe()
+    return Budget(minutes=config["budget_minutes"]).describe()
+
+
+def _convergence_text(summaries: List[dict]) -> str:
+    """Whether the deep baseline's validation loss stopped improving, in every seed."""
+    deep = next((s for s in summaries if s["system"] == BASELINE), None)
+    check = deep and deep.get("valid_plateau")
+    if not check:
+        return ""
+    gain = f"{100 * check['max_improvement']:.2f}%"
+    if check["plateaued"]:
+        return (f"The deep baseline's validation loss improved by at most {gain} over the last "
+                f"{PLATEAU_WINDOW:.0%} of training (every seed): it had stopped improving by "
+                f"more than {PLATEAU_TOLERANCE:.0%}.")
+    return (f"**The deep baseline's validation loss still improved by up to {gain} over the last "
+            f"{PLATEAU_WINDOW:.0%} of training** (more than {PLATEAU_TOLERANCE:.0%}): the budget "
+            "is too short for a converged comparison; raise --budget-updates.")
+
+
+def markdown_report(report: dict) -> str:
+    config, machine = report["config"], report["machine"]
+    seeds = config["seeds"]
+    seed_list = config.get("seed_list", list(range(1, seeds + 1)))
+    seed_text = (f"{seeds} seed(s)" if seed_list == list(range(1, seeds + 1))
+                 else f"seed(s) {', '.join(map(str, seed_list))}")
+    spread = " (mean ± sample std over seeds)" if seeds > 1 else ""
+    signature = next((r["sacrebleu_signature"] for s in report["systems"] for r in s["runs"]),
+                     "")
+    chrf_signature = next((r["chrf_signature"] for s in report["systems"] for r in s["runs"]
+                           if r.get("chrf_signature")), "")
+    chrf_text = f"; chrF: sacreBLEU's, `{chrf_signature}`" if chrf_signature else ""
+    bootstrap = next((s["vs_deep"]["per_seed"][0]["signature"] for s in report["systems"]
+                      if s.get("vs_deep")), "")
+    usable = machine.get("usable_cpus", machine["cpus"])
+    usable = f" ({usable} usable by the study)" if usable < machine["cpus"] else ""
+    threads = machine["torch_threads"]
+    threads = f"{threads} thread" + ("s" if threads != 1 else "")
+    gpu = f", {machine['gpu']} (half precision)" if machine.get("gpu") else ""
+    parallel = config.get("parallel", 1)
+    parallel = (f", {parallel} runs at a time ({report['elapsed_seconds'] / 60:.1f} min "
+                "elapsed)" if parallel > 1 else "")
+    lines = [
+        f"# Multi30k {pair_name(config.get('target', DEFAULT_TARGET))}: width vs depth at equal "
+        "parameters", "",
+        f"Budget: {_budget_text(config)}; {seed_text}{spread}; data {config['data_tag']} "
+        f"(BPE {BPE_MERGES} merges, joined dictionary of {config['dict_size']} types). "
+        f"Machine: {machine['cpu']}, {machine['cpus']} CPUs{usable}, torch {machine['torch']} "
+        f"with {threads}{gpu}{parallel}. Wall time of all runs (training, averaging, "
+        f"translation, scoring): {report['runs_wall_seconds'] / 60:.1f} min.", "",
+        markdown_table(report["systems"]),
+        "BLEU: tokenized multi-bleu (`multipath-score`, no compound split) of the averaged last "
+        f"checkpoints (up to {AVERAGE_LAST}, the final partial epoch included); sacreBLEU on "
+        f"Moses-detokenized text, `{signature}`{chrf_text}. Train tok/s: target tokens per "
+        "second of training (fairseq's wps); train wall: the whole fairseq-train process. Valid loss: the "
+        "last validation's cross-entropy (fairseq's nll_loss, bits per token, no label "
+        "smoothing); loss gain, last 20%: how much the best validation loss improved over the "
+        f"last {PLATEAU_WINDOW:.0%} of the updates (the largest over seeds); valid loss vs "
+        f"deep, last {PLATEAU_WINDOW:.0%}: the mean relative difference to the deep model's "
+        "validation loss at the validations both made in that window (the mean over seeds) "
+        "and, in brackets, at how many of them (all seeds) it was lower.", "",
+        f"vs deep: the test sacreBLEU difference to the deep model with the same seed; p per "
+        f"seed: sacreBLEU's paired bootstrap resampling of the two systems' test translations"
+        f"{f' (`{bootstrap}`)' if bootstrap else ''}; † marks a difference that is not significant (p >= "
+        f"{SIGNIFICANCE_LEVEL}, or no difference) in at least one seed.", ""]
+    versus = versus_deep_table(report["systems"])
+    if versus:
+        lines += ["Against deep in both metrics: the mean difference over seeds (± std), each "
+                  "seed's paired bootstrap (the same for chrF) and, over the seeds, the paired "
+                  "t-test of the per-seed differences (two-sided; * p < "
+                  f"{SIGNIFICANCE_LEVEL}; from two seeds on). The bootstrap asks whether the "
+                  "test set could have produced the difference by chance for these two models; "
+                  "the t-test whether another seed would likely give it again.", "", versus]
+    convergence = _convergence_text(report["systems"])
+    if convergence:
+        lines += [convergence, ""]
+    steps = ablation_table(report["systems"])
+    if steps:
+        lines += ["The paper's ablation (Table 4) step by step: each multi-path row against the "
+                  "row it changes, with the same paired bootstrap (difference of test sacreBLEU, "
+                  "† not significant) and validation-loss comparison as against deep:", "",
+                  steps]
+    lines += ["Systems and flags (shared: `" + " ".join(SHARED_MODEL + SHARED_RECIPE) + "`):",
+              ""]
+    for s in report["systems"]:
+        own = s["flags"][len(SHARED_MODEL):]
+        lines.append(f"- `{s['system']}`: `--arch {s['arch']} {' '.join(own)}`")
+    return "\n".join(lines) + "\n"
