@@ -18,6 +18,7 @@ What fairseq 0.12 does on today's PyTorch, and what is changed:
 """
 import functools
 import os
+import traceback
 
 import torch
 
@@ -40,8 +41,15 @@ def _floating_point_error(err):
 
 def _is_cpu_overflow_crash(trainer, err):
     """fairseq's overflow handler calls ``.cuda()``; without CUDA that raises while the
-    OverflowError (the loss scaler lowering the scale) is being handled."""
-    return not trainer.cuda and isinstance(err.__context__, OverflowError)
+    OverflowError (the loss scaler lowering the scale) is being handled. Only that error: it is
+    raised in ``torch.cuda`` (its lazy init), called from fairseq's ``trainer.py``. Any other
+    error, also one raised while an OverflowError is handled, goes on up unchanged."""
+    if trainer.cuda or not isinstance(err.__context__, OverflowError):
+        return False
+    frames = traceback.extract_tb(err.__traceback__)
+    files = [os.path.normpath(frame.filename) for frame in frames]
+    return bool(files) and os.path.join("torch", "cuda") + os.sep in files[-1] \
+        and any(f.endswith(os.path.join("fairseq", "trainer.py")) for f in files)
 
 
 def _report_update(train_step):

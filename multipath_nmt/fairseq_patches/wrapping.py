@@ -38,12 +38,33 @@ def wrap(owner, name, make_wrapper):
     return True
 
 
+# The command-line tools whose uncaught errors of the plug-in are one line: fairseq's (run as
+# ``python -m fairseq_cli.train``, as the recipe does, or as the ``fairseq-train`` console script)
+# and the plug-in's own (``multipath-*``, ``python -m multipath_nmt.cli.*``).
+CLI_MODULES = ("fairseq_cli.", "multipath_nmt.cli.")
+CLI_PROGRAMS = ("fairseq-", "multipath-")
+
+
+def cli_process():
+    """Whether this process runs one of those tools (its ``__main__`` module, or its program's
+    name). Anything else that imports the plug-in (a user's script, a notebook, pytest) is not."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if name.startswith(CLI_MODULES):
+        return True
+    program = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder, base = os.path.split(os.path.abspath(program)) if program else ("", "")
+    return base.startswith(CLI_PROGRAMS) or os.path.basename(folder) == "fairseq_cli" \
+        or folder.endswith(os.path.join("multipath_nmt", "cli"))
+
+
 def one_line_excepthook(previous_hook, error_type):
     """A ``sys.excepthook`` that prints an uncaught ``error_type`` as ``PROGRAM: error: MESSAGE``
     (no traceback: the message says what is wrong and what to do) and hands anything else to
-    ``previous_hook``."""
+    ``previous_hook``. Only in a command-line tool (:func:`cli_process`, asked when the error
+    arrives): in any other process every error goes to ``previous_hook``, traceback and all."""
     def excepthook(kind, value, traceback):
-        if isinstance(value, error_type):
+        if isinstance(value, error_type) and cli_process():
             program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
             sys.stderr.write(f"{program}: error: {value}\n")
         else:
