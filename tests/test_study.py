@@ -685,3 +685,27 @@ def test_runs_go_seed_by_seed_so_an_interrupted_study_has_compared_its_first_see
     assert report["config"]["seeds"] == 2 and report["config"]["seed_list"] == [2, 3]
     assert report["config"]["target"] == "fr"
     assert report["systems"][1]["seeds"] == [2, 3]
+
+
+def test_the_readme_quotes_its_tables_from_the_committed_study_json():
+    readme = ROOT / "examples" / "multi30k" / "README.md"
+    text = readme.read_text()
+    assert re.findall(r"<!-- table: (\S+) -->", text), "no marked table in the README"
+    assert study.readme_with_tables(readme) == text, (
+        "a README table differs from its study.json: run "
+        "python examples/multi30k/study_report.py examples/multi30k/README.md")
+
+
+def test_readme_table_gives_seeds_scores_and_both_tests_against_deep():
+    deep = _summary("deep", [2, 3])
+    deep["mean"]["test_sacrebleu"], deep["std"]["test_sacrebleu"] = 36.5, 0.3
+    other = _summary("mp_pathnorm", [2, 3], [0.9, 0.5], [0.02, 0.2])
+    other["mean"].update(test_sacrebleu=37.2, test_chrf=61.25)
+    other["std"].update(test_sacrebleu=0.28, test_chrf=0.1)
+    rows = study.readme_table({"systems": [deep, other]}).splitlines()
+    # no row has a test over seeds or a chrF comparison: those columns are left out
+    assert rows[0] == ("| system | seeds | params (M) | test sacreBLEU | test chrF | "
+                       "sacreBLEU vs deep | p per seed |")
+    assert rows[2] == "| deep | 2, 3 | 3.00 | 36.50 ± 0.30 | - | - | - |"
+    assert rows[3] == ("| mp_pathnorm | 2, 3 | 3.00 | 37.20 ± 0.28 | 61.25 ± 0.10 | "
+                       "+0.70 ± 0.50 † | 0.020, 0.200 |")

@@ -47,7 +47,8 @@ from study_plots import (  # noqa: E402,F401
 from study_plots import save_figure as _save_figure  # noqa: E402
 from study_report import (  # noqa: E402,F401
     _budget_text, _cell, _convergence_text, _plateau_cell, _t_test_cell, _valid_versus_cell,
-    _versus_cells, ablation_table, markdown_report, markdown_table, versus_deep_table,
+    _versus_cells, ablation_table, markdown_report, markdown_table, readme_table,
+    readme_with_tables, versus_deep_table,
 )
 from study_run import (  # noqa: E402,F401
     _KEY_VALUE, DEVICE_GPUS, IN_PROCESS, _same_flags, bleu_scores, checkpoint_updates,

@@ -1,8 +1,14 @@
 """The Multi30k study's report (see study.py): study.md, its tables of the systems, against the
-deep model and along the paper's ablation, and the text around them.
+deep model and along the paper's ablation, and the text around them; and the README's tables,
+quoted from the committed study.json files (``python study_report.py README.md`` rewrites them).
 """
+import json
+import re
+import sys
+from pathlib import Path
 from typing import List, Optional, Tuple
 
+from multipath_nmt.atomic_files import write_text_atomically
 from study_systems import (
     AVERAGE_LAST, BASELINE, BPE_MERGES, DEFAULT_TARGET, PLATEAU_TOLERANCE, PLATEAU_WINDOW,
     SHARED_MODEL, SHARED_RECIPE, SIGNIFICANCE_LEVEL, Budget, pair_name,
@@ -87,6 +93,41 @@ def versus_deep_table(summaries: List[dict]) -> str:
         lines.append(f"| {s['system']} | {bleu} | {bleu_p} | {_t_test_cell(versus, 'bleu')} | "
                      f"{chrf} | {chrf_p} | {_t_test_cell(versus, 'chrf')} |")
     return "\n".join(lines) + "\n"
+
+
+def readme_table(report: dict) -> str:
+    """The README's table of a study.json: per system its seeds, size, test scores (mean ± std
+    over seeds), validation loss against deep's, and both metrics against deep (each seed's
+    bootstrap p, the t-test's p over seeds); a column with nothing in any row is left out (chrF
+    in runs scored before it, the test over seeds with one seed)."""
+    header = ["system", "seeds", "params (M)", "test sacreBLEU", "test chrF",
+              "valid loss vs deep, last 20%", "sacreBLEU vs deep", "p per seed",
+              "p over seeds", "chrF vs deep", "p per seed", "p over seeds"]
+    rows = []
+    for s in report["systems"]:
+        versus = s.get("vs_deep")
+        rows.append([s["system"], ", ".join(map(str, s["seeds"])), f"{s['params'] / 1e6:.2f}",
+                     _cell(s, "test_sacrebleu", 2), _cell(s, "test_chrf", 2),
+                     _valid_versus_cell(versus), *_versus_cells(versus),
+                     _t_test_cell(versus, "bleu"), *_versus_cells(versus, "chrf_"),
+                     _t_test_cell(versus, "chrf")])
+    kept = [i for i in range(len(header)) if i == 0 or any(row[i] != "-" for row in rows)]
+    lines = ["| " + " | ".join(header[i] for i in kept) + " |",
+             "|---|" + "---:|" * (len(kept) - 1)]
+    lines += ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# The README quotes each study.json's table between these lines, the path relative to it
+README_TABLE = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+
+
+def readme_with_tables(readme: Path) -> str:
+    """``readme`` with every marked table rendered again from the study.json it names."""
+    def render(match):
+        report = json.loads((readme.parent / match.group(2)).read_text())
+        return match.group(1) + "\n" + readme_table(report) + "\n" + match.group(4)
+    return README_TABLE.sub(render, readme.read_text())
 
 
 def ablation_table(summaries: List[dict]) -> str:
@@ -197,3 +238,8 @@ def markdown_report(report: dict) -> str:
         own = s["flags"][len(SHARED_MODEL):]
         lines.append(f"- `{s['system']}`: `--arch {s['arch']} {' '.join(own)}`")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    for path in map(Path, sys.argv[1:]):
+        write_text_atomically(path, readme_with_tables(path))
