@@ -37,7 +37,8 @@ def _patched_attributes():
             (TransformerModelBase, "build_model"), (Trainer, "set_num_updates"),
             (AMPOptimizer, "step"), (AMPOptimizer, "__init__"), (FairseqTask, "train_step"),
             (CheckpointFunction, "forward"), (TranslationTask, "setup_task"),
-            (TranslationTask, "load_dataset"), (checkpoint_utils, "save_checkpoint")]
+            (TranslationTask, "load_dataset"), (checkpoint_utils, "save_checkpoint"),
+            (options, "add_optimization_args")]
 
 
 def test_install_twice_wraps_nothing_again():

@@ -77,11 +77,16 @@ preemption        ``fairseq_cli.train.train``                                 SI
                                                                               and exit with 128 + the signal's number                            tests/test_preemption.py::test_signals_during_the_save_change_nothing
                   ``checkpoint_utils.save_checkpoint``                        records the last update saved, so that a stop does   fairseq 0.12  tests/test_preemption.py::test_two_ranks_stop_after_the_same_update_when_one_is_signalled
                                                                               not save the same update twice
+compile_layers    ``options.add_optimization_args``                           ``--compile-layers [BACKEND]``: fairseq 0.12         fairseq 0.12  tests/test_compile.py::test_fairseq_train_compiled_matches_eager_and_saves_eager_keys
+                                                                              predates ``torch.compile``; a training flag                        tests/test_compile.py::test_compile_flag_refuses_bad_input_in_one_line
+                  ``Trainer.__init__``                                        compiles the encoder and decoder layers' training    torch >= 2.1  tests/test_compile.py::test_every_family_compiles_without_graph_breaks_or_recompiles
+                                                                              forward in place, after the model is built                         tests/test_compile.py::test_only_the_training_forward_is_compiled
 ================  ==========================================================  ===================================================  ============  =================================================================================================
 
 Order: the modules are installed in the order of :data:`MODULES`. ``Trainer.__init__`` is wrapped
-by numerics, then mixed_precision, and ``options.parse_args_and_arch`` by help_flags, then
-mixed_precision; the wrappers of each pair look at different flags. ``sys.excepthook`` by
+by numerics, then mixed_precision, then compile_layers (outermost: it compiles the layers of the
+model the others' ``__init__`` has placed and cast), and ``options.parse_args_and_arch`` by
+help_flags, then mixed_precision; the wrappers of each group look at different flags. ``sys.excepthook`` by
 checkpoints, then data_bins (each prints its own error class on one line and passes anything else
 on). ``Trainer.train_step`` is
 wrapped twice: numerics first (inner), then ewa_trainer (outer), as before this package existed.
@@ -98,12 +103,12 @@ without them; ``tests/test_fairseq_compat_suite.py`` keeps the cases that once d
 import logging
 import os
 
-from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, data_bins,
-                                           distributed, ewa_trainer, help_flags, mixed_precision,
-                                           numerics, preemption, torch_compat)
+from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, compile_layers,
+                                           data_bins, distributed, ewa_trainer, help_flags,
+                                           mixed_precision, numerics, preemption, torch_compat)
 
 MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distributed, numerics,
-           mixed_precision, attention, ewa_trainer, preemption)
+           mixed_precision, attention, ewa_trainer, preemption, compile_layers)
 
 
 # ``MULTIPATH_NMT_PATCHES=off`` installs none of the patches: fairseq runs as it ships, for

@@ -252,10 +252,14 @@ def _exact(capacity_factor: float) -> Fraction:
 
 
 def expert_capacity(capacity_factor: float, k: int, routed_tokens: int, num_experts: int) -> int:
-    """ceil(C * k * S / E), in exact arithmetic (1.2 * 2 * 10 / 4 is 6, not 6.000000000000001)."""
-    exact = _exact(capacity_factor) * k * routed_tokens / num_experts
+    """ceil(C * k * S / E), in exact arithmetic (1.2 * 2 * 10 / 4 is 6, not 6.000000000000001):
+    ceil(p * k * S / (q * E)) for C = p / q, as integer arithmetic, so that it also holds for a
+    symbolic S (``torch.compile`` with dynamic shapes traces S as a SymInt)."""
+    exact = _exact(capacity_factor)
+    numerator, denominator = exact.numerator * k, exact.denominator * num_experts
+    capacity = (routed_tokens * numerator + denominator - 1) // denominator
     # An expert never receives more than one assignment per token.
-    return min(math.ceil(exact), routed_tokens)
+    return min(capacity, routed_tokens)
 
 
 def expert_capacity_on_device(capacity_factor: float, k: int, routed_tokens: torch.Tensor,
