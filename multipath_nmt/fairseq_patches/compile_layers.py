@@ -16,6 +16,10 @@ WideNet stack, the MoE/EWA/ParameterNet layers alike, so that comparisons stay f
 * In place: the layer's ``forward`` attribute dispatches to the compiled function, so no module
   is wrapped and the checkpoint's keys are those of an eager run (no ``_orig_mod.``).
   Checkpoints, resume and averaging see no difference.
+* Random numbers are eager's: inductor runs with ``fallback_random`` (dropout and router noise
+  drawn by PyTorch's own ops from fairseq's seeded generator, not by inductor's Philox), so a
+  compiled run makes the first updates of the eager run with the same seed, up to float
+  rounding, and resumes the same way.
 * Shapes are dynamic from the first batch (``dynamic=True``): fairseq's batches vary in batch
   size and length, and each layer class compiles once (the layers of one class share the code,
   the graph and its cache) instead of once static and again dynamic.
@@ -82,7 +86,11 @@ def compile_layer(layer, backend=DEFAULT_BACKEND, dynamic=True):
     if getattr(layer, "compiled_backend", None) is not None:
         return layer
     eager_forward = layer.forward
-    compiled_forward = torch.compile(eager_forward, backend=backend, dynamic=dynamic)
+    # inductor would draw dropout masks from its own generator (Philox): the same seed would
+    # give another run than eager; with fallback_random it draws eager's numbers
+    options = dict(fallback_random=True) if backend == "inductor" else None
+    compiled_forward = torch.compile(eager_forward, backend=backend, dynamic=dynamic,
+                                     options=options)
 
     @functools.wraps(eager_forward)
     def forward(*args, **kwargs):
