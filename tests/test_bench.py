@@ -9,6 +9,27 @@ from conftest import run_cli
 
 
 @pytest.mark.slow
+def test_bench_compiled_times_eager_and_compiled_side_by_side(tmp_path):
+    """--compiled: each system's eager and --compile-layers trainers timed in one run, the
+    ratio per repeat, the compile time apart; compiled.json and compiled.md written."""
+    systems = ["stock prenorm L", "multi-path L x 4 (full)"]
+    out = run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--size", "tiny",
+                   "--compiled", "aot_eager", "--out", tmp_path, "--only", *systems]).stdout
+    result = json.loads((tmp_path / "compiled.json").read_text())
+    assert list(result["compiled"]) == systems and result["backend"] == "aot_eager"
+    for name, row in result["compiled"].items():
+        assert "error" not in row, row
+        assert row["compile_s"] > 0
+        assert len(row["ratio"]["values"]) == 2  # the tiny size's repeats
+        for ratio, eager, compiled in zip(row["ratio"]["values"],
+                                          row["eager_tokens_per_s"]["values"],
+                                          row["compiled_tokens_per_s"]["values"]):
+            assert ratio == pytest.approx(compiled / eager)
+        assert f"| {name} |" in out
+    assert (tmp_path / "compiled.md").read_text().strip() in out.strip()
+
+
+@pytest.mark.slow
 def test_bench_tiny_writes_consistent_reports(tmp_path):
     # "+cheap features" is judged against the plain system, which --only leaves out here
     systems = ["stock prenorm L", "stock deep 4L", "multi-path L x 4 (full)",

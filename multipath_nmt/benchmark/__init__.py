@@ -21,6 +21,7 @@ same batches. One module per job, so that each measurement can be read, and chan
 - ``harness``: :func:`run`, which measures every system round-robin, so that drifts of a noisy
   machine hit all of them alike.
 - ``report``: the targets as measured ratios, and bench.json / bench.md / bench.png.
+- ``compiled``: ``--compiled``: each system eager and with ``--compile-layers``, side by side.
 - ``gpu_check``: the GPU check of ``scripts/gpu-check.sh``, a tool of its own on the same
   systems, batches, clock and FLOP counting; it lives here because it is built from them and,
   like the benchmark, only the CLI calls it. Its parts are ``gpu_check_setup``,
@@ -29,8 +30,8 @@ same batches. One module per job, so that each measurement can be read, and chan
 ``multipath_nmt.cli.bench`` parses arguments and calls :func:`run`, :func:`write_reports` and
 :func:`markdown_report`, re-exported here with the line-up they take.
 """
-from multipath_nmt.benchmark.harness import run
-from multipath_nmt.benchmark.report import markdown_report, write_reports
+from multipath_nmt.benchmark.harness import run, run_compiled
+from multipath_nmt.benchmark.report import markdown_report, write_compiled_report, write_reports
 from multipath_nmt.benchmark.systems import SIZES, systems_for
 
 __all__ = ["SIZES", "markdown_report", "run", "systems_for", "write_reports"]

@@ -173,3 +173,26 @@ def _build_and_warm_up(system, data, size, device, precision_flags, padded, gemm
                tokens_per_step=tokens_of_steps(samples, steps) / steps,
                tokens_per_s=[], forward_backward_s=[])
     return (trainer, task, samples, ForwardBackwardClock(trainer, device)), row
+
+
+def run_compiled(size_name="default", device="cpu", precision="fp32", only=None,
+                 backend="inductor", padded=None, log=print):
+    """``multipath-bench --compiled``: every system's training eager and with
+    ``--compile-layers BACKEND`` side by side (:mod:`multipath_nmt.benchmark.compiled`); returns
+    the result dict that ``write_compiled_report`` writes."""
+    from multipath_nmt.benchmark.compiled import compare
+
+    size = SIZES[size_name]
+    padded = device == "cuda" if padded is None else padded
+    with fake_data_dir(size["vocab"]) as data:
+        rows = compare(data, size, device, recipe.PRECISIONS[precision], only, backend, padded,
+                       PADDED_BATCHES, log)
+    return {
+        "size": size_name, "shape": size, "device": device, "precision": precision,
+        "precision_flags": recipe.PRECISIONS[precision], "backend": backend,
+        "machine": machine_description(device),
+        "batches": (f"{PADDED_BATCHES} padded, length-varied batches of up to "
+                    f"{size['batch'] * size['length']} tokens" if padded
+                    else "one full-length batch"),
+        "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "compiled": rows,
+    }

@@ -169,3 +169,17 @@ def write_reports(result, out_dir):
     write_text_atomically(os.path.join(out_dir, "bench.md"), markdown_report(result))
     write_atomically(os.path.join(out_dir, "bench.png"), lambda out: plot_report(result, out))
     return result
+
+
+def write_compiled_report(result, out_dir):
+    """A ``--compiled`` run's result as compiled.json and compiled.md in ``out_dir``."""
+    from multipath_nmt.benchmark.compiled import markdown
+
+    os.makedirs(out_dir, exist_ok=True)
+    write_text_atomically(os.path.join(out_dir, "compiled.json"),
+                          json.dumps(result, indent=2) + "\n")
+    table = (f"Eager vs `--compile-layers {result['backend']}`, {result['device']} "
+             f"({result['machine']}), {result['precision']}, size {result['size']}, "
+             f"{result['batches']}: `{result['command']}`\n\n{markdown(result['compiled'])}\n")
+    write_text_atomically(os.path.join(out_dir, "compiled.md"), table)
+    return table

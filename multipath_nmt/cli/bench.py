@@ -29,6 +29,11 @@ def build_parser():
                              "models' own matrix products (always on with --device cuda)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the per-system peak-memory probes (one process each)")
+    parser.add_argument("--compiled", nargs="?", const="inductor", metavar="BACKEND",
+                        help="instead of the full report: time every system's training eager "
+                             "and with fairseq-train's --compile-layers BACKEND (default "
+                             "inductor) side by side, the compile time apart; writes "
+                             "compiled.json and compiled.md")
     parser.add_argument("--out", default="results/bench",
                         help="folder for bench.json, bench.md and bench.png")
     return parser
@@ -62,6 +67,12 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, force=True)  # fairseq and hydra are chatty
     warnings.filterwarnings("ignore", module="hydra")
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    if args.compiled:
+        result = benchmark.run_compiled(args.size, args.device, args.precision, args.only,
+                                        args.compiled, padded=args.padded or None, log=log)
+        print(benchmark.write_compiled_report(result, args.out))
+        print(f"wrote {args.out}/compiled.json, compiled.md", file=sys.stderr)
+        return
     result = benchmark.run(args.size, args.device, args.precision, args.only,
                            memory=not args.no_memory, padded=args.padded or None, log=log)
     result = benchmark.write_reports(result, args.out)
