@@ -24,6 +24,9 @@
 # WideNet/EWA/ParameterNet/MoE archs use label_smoothed_cross_entropy_with_moe.
 # Every extra argument is passed on after the recipe, so it overrides it (fairseq keeps the
 # last occurrence of a flag), e.g. --max-epoch 40, --lr 0.0007.
+# --compile-layers [BACKEND] (a flag of the plug-in, passed on like any other) compiles every
+# encoder and decoder layer with torch.compile for training: worth it for long runs, not for a
+# few minutes' (the compile takes a minute or more first).
 #
 # Environment: MAX_TOKENS (or --max-tokens N) caps max-tokens; MULTIPATH_NMT_NUM_GPUS overrides
 # the detected GPU count (0 = CPU); MULTIPATH_NMT_BF16=0|1 whether the GPUs have bfloat16; PYTHON selects the interpreter with multipath_nmt installed

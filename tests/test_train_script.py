@@ -281,3 +281,17 @@ def test_an_interpreter_without_the_plugin_is_one_error_line(tmp_path, script):
     assert proc.stderr.strip().splitlines() == [
         f"{script}: error: {bare_python} cannot import multipath_nmt; activate its environment "
         "or set PYTHON"]
+
+
+@pytest.mark.parametrize("args, value", [(["--compile-layers"], True),
+                                         (["--compile-layers", "aot_eager"], "aot_eager"),
+                                         (["--compile-layers=aot_eager"], None)])
+def test_compile_layers_is_passed_on_to_fairseq_train(fake_data_bin, args, value):
+    """--compile-layers [BACKEND] (multipath_nmt/fairseq_patches/compile_layers.py) reaches
+    fairseq-train as given, after the recipe, for every arch family."""
+    for arch in ("transformer_prenorm_wmt_en_de", "multipath_transformer_wmt_en_de",
+                 "widenet_transformer_wmt_en_de"):
+        words, flags = _flags(_dry_run(fake_data_bin, "--arch", arch, *args))
+        assert words[-len(args):] == args
+        if value is not None:
+            assert flags["--compile-layers"] == value
