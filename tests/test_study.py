@@ -709,3 +709,40 @@ def test_readme_table_gives_seeds_scores_and_both_tests_against_deep():
     assert rows[2] == "| deep | 2, 3 | 3.00 | 36.50 ± 0.30 | - | - | - |"
     assert rows[3] == ("| mp_pathnorm | 2, 3 | 3.00 | 37.20 ± 0.28 | 61.25 ± 0.10 | "
                        "+0.70 ± 0.50 † | 0.020, 0.200 |")
+
+
+def test_compile_layers_reaches_every_training_and_the_report(tmp_path, monkeypatch):
+    received = []
+
+    def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device,
+                 target, compile_layers=None):
+        received.append(compile_layers)
+        return {"system": system.name, "seed": seed, "flags": flags, "params": 1,
+                "active_params": 1, "test_sacrebleu": 10.0, "run_wall_seconds": 0.2}
+
+    monkeypatch.setattr(study, "prepare", lambda *args: tmp_path / "full" / "data-bin")
+    monkeypatch.setattr(study, "dictionary_size", lambda data_bin: 100)
+    monkeypatch.setattr(study, "resolve_flags", lambda systems, size: {
+        s.name: study.model_flags(s) for s in systems})
+    monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
+    monkeypatch.setattr(study, "run_system", fake_run)
+    monkeypatch.setattr(study, "write_reports", lambda report, results: None)
+    args = study.build_parser().parse_args(["--systems", "base", "--compile-layers",
+                                          "--device", "cpu"])
+    assert study.run_study(args)["config"]["compile_layers"] == "inductor"
+    assert received == ["inductor"]
+
+    # the flag reaches fairseq-train's command line (the run itself is stopped there)
+    commands = []
+
+    def stop(command, log_path, stdout=None):
+        commands.append(command.argv)
+        raise study.StudyError("stopped")
+    monkeypatch.setattr(sys.modules["study_run"], "run", stop)
+    base = next(s for s in study.SYSTEMS if s.name == "base")
+    with pytest.raises(study.StudyError, match="stopped"):
+        sys.modules["study_run"].run_system(
+            base, study.model_flags(base), 1,
+            dictionaries_only_data_bin(tmp_path / "bin", "en", "de", True), tmp_path / "run",
+            study.Budget(updates=10), 100, tmp_path, compile_layers="aot_eager")
+    assert commands[0][-2:] == ["--compile-layers", "aot_eager"]

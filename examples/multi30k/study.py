@@ -181,6 +181,7 @@ def run_study(args) -> dict:
         "config": {"budget_minutes": budget.minutes, "budget_updates": budget.updates,
                    "validation_interval": budget.updates and validation_interval(budget.updates),
                    "seeds": len(seeds), "seed_list": seeds, "target": args.target,
+                   "compile_layers": args.compile_layers,
                    "systems": [s.name for s in systems],
                    "data": str(args.data), "data_tag": data_bin.parent.name,
                    "max_train_lines": args.max_train_lines,
@@ -202,10 +203,11 @@ def run_study(args) -> dict:
     # jobs start seed by seed, each seed's systems in the study's order (base before EWA, which
     # reads its update count under a time budget; there --parallel is 1, so each job ends
     # before the next starts): an interrupted study has compared its systems on the first seeds
+    compiled = {"compile_layers": args.compile_layers} if args.compile_layers else {}
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         jobs = {pool.submit(run_system, system, flags[system.name], seed, data_bin,
                             runs_root / system.name / f"seed{seed}", budget, dict_size,
-                            runs_root, device, args.target): (system.name, seed)
+                            runs_root, device, args.target, **compiled): (system.name, seed)
                 for seed in seeds for system in systems}
         try:
             for job in as_completed(jobs):
@@ -268,6 +270,11 @@ def build_parser():
     parser.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET,
                         help="the language pair: English into German (default) or French, "
                              "from the same Multi30k images' captions")
+    parser.add_argument("--compile-layers", nargs="?", const="inductor", metavar="BACKEND",
+                        help="train every system with fairseq-train --compile-layers (torch."
+                             "compile of the encoder and decoder layers; backend inductor unless "
+                             "named): worth it for runs of an hour or more, after a compile of "
+                             "a minute or two")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="cuda: train in train.sh's mixed precision (--amp --bf16 where the "
                              "GPU has bfloat16, else --amp; the same for every system) and "

@@ -181,9 +181,10 @@ def translate(data_bin: Path, checkpoint: Path, out_prefix: Path, subset: str,
 
 def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_dir: Path,
                budget: Budget, dict_size: int, runs_root: Path, device: str = "cpu",
-               target: str = DEFAULT_TARGET) -> dict:
+               target: str = DEFAULT_TARGET, compile_layers: Optional[str] = None) -> dict:
     """Train, average, (fold EWA), translate valid and test, score; returns the result record.
-    A finished run (``result.json``) is read back instead of rerun."""
+    A finished run (``result.json``) is read back instead of rerun. ``compile_layers``: train
+    with ``--compile-layers BACKEND`` (the same updates; compiled kernels round differently)."""
     result_path = run_dir / "result.json"
     train_done = run_dir / "train.done.json"
     _same_flags(result_path, flags)
@@ -201,6 +202,8 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         # the averaging, so the budget binds). Under an updates budget it is that budget.
         base = json.loads((runs_root / "base" / f"seed{seed}" / "result.json").read_text())
         extra = ["--max-update", str(base["updates"])]
+    if compile_layers:
+        extra += ["--compile-layers", compile_layers]
     if not train_done.is_file():
         log(f"{system.name} seed {seed}: training ({budget.describe()}) on {device} -> "
             f"{save_dir}")
@@ -208,7 +211,8 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
                                               "--seed", str(seed), *extra],
                                 data_bin, save_dir, device)
         seconds = run(command, train_log)
-        write_json(train_done, {"wall_seconds": round(seconds, 1), "flags": flags})
+        write_json(train_done, {"wall_seconds": round(seconds, 1), "flags": flags,
+                                "compile_layers": compile_layers})
     wall = json.loads(train_done.read_text())["wall_seconds"]
 
     averaged = run_dir / "checkpoint_avg.pt"
