@@ -66,7 +66,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("system", _systems(), ids=lambda s: s.name)
+# make test-fast traces the multi-path family (about 13 s a family); make test every family
+FAST_FAMILY = "multi-path L x 4 (+cheap features)"
+
+
+@pytest.mark.parametrize("system", [
+    pytest.param(s, id=s.name, marks=() if s.name == FAST_FAMILY else pytest.mark.slow)
+    for s in _systems()])
 def test_every_family_compiles_without_graph_breaks_or_recompiles(system):
     """Each layer's training forward is one graph per call (no graph break: dynamo's counter
     stays empty) and, after the first few batches, new batch shapes compile nothing more:
