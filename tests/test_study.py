@@ -613,6 +613,19 @@ def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, 
         assert (results / png).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def _replace_the_runs(monkeypatch, tmp_path, fake_run, data_tag="full"):
+    """The study around ``fake_run`` (run_system's stand-in): no data preparation, model
+    builds, machine probe or translations to read."""
+    monkeypatch.setattr(study, "prepare", lambda *args: tmp_path / data_tag / "data-bin")
+    monkeypatch.setattr(study, "dictionary_size", lambda data_bin: 100)
+    monkeypatch.setattr(study, "resolve_flags", lambda systems, size: {
+        s.name: study.model_flags(s) for s in systems})
+    monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
+    monkeypatch.setattr(study, "run_system", fake_run)
+    monkeypatch.setattr(study, "detokenized_translations",
+                        lambda path, target: (["a b c d"], ["a b c d"]))
+
+
 def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_path,
                                                                           monkeypatch):
     """--parallel 2 on a GPU: at most two runs at once, every run done once, and each report
@@ -633,14 +646,7 @@ def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_pa
                 "active_params": 1, "test_sacrebleu": 10.0 + seed, "run_wall_seconds": 0.2}
 
     monkeypatch.setattr(study, "resolve_device", lambda device, parallel, budget: "cuda")
-    monkeypatch.setattr(study, "prepare", lambda *args: tmp_path / "full" / "data-bin")
-    monkeypatch.setattr(study, "dictionary_size", lambda data_bin: 100)
-    monkeypatch.setattr(study, "resolve_flags", lambda systems, size: {
-        s.name: study.model_flags(s) for s in systems})
-    monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
-    monkeypatch.setattr(study, "run_system", fake_run)
-    monkeypatch.setattr(study, "detokenized_translations",
-                        lambda path, target: (["a b c d"], ["a b c d"]))
+    _replace_the_runs(monkeypatch, tmp_path, fake_run)
     monkeypatch.setattr(study, "write_reports", lambda report, results: reports.append(
         [s["system"] for s in report["systems"]]))
     args = study.build_parser().parse_args(["--systems", "deep,wide,mp_original", "--seeds", "2",
@@ -665,14 +671,7 @@ def test_runs_go_seed_by_seed_so_an_interrupted_study_has_compared_its_first_see
         return {"system": system.name, "seed": seed, "flags": flags, "params": 1,
                 "active_params": 1, "test_sacrebleu": 10.0 + seed, "run_wall_seconds": 0.2}
 
-    monkeypatch.setattr(study, "prepare", lambda *args: tmp_path / "en-fr-full" / "data-bin")
-    monkeypatch.setattr(study, "dictionary_size", lambda data_bin: 100)
-    monkeypatch.setattr(study, "resolve_flags", lambda systems, size: {
-        s.name: study.model_flags(s) for s in systems})
-    monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
-    monkeypatch.setattr(study, "run_system", fake_run)
-    monkeypatch.setattr(study, "detokenized_translations",
-                        lambda path, target: (["a b c d"], ["a b c d"]))
+    _replace_the_runs(monkeypatch, tmp_path, fake_run, "en-fr-full")
     monkeypatch.setattr(study, "paired_bootstrap", lambda base, system, refs: {
         "delta": 0.0, "p_value": 1.0, "significant": False, "chrf_delta": 0.0,
         "chrf_p_value": 1.0, "chrf_significant": False})
@@ -720,12 +719,7 @@ def test_compile_layers_reaches_every_training_and_the_report(tmp_path, monkeypa
         return {"system": system.name, "seed": seed, "flags": flags, "params": 1,
                 "active_params": 1, "test_sacrebleu": 10.0, "run_wall_seconds": 0.2}
 
-    monkeypatch.setattr(study, "prepare", lambda *args: tmp_path / "full" / "data-bin")
-    monkeypatch.setattr(study, "dictionary_size", lambda data_bin: 100)
-    monkeypatch.setattr(study, "resolve_flags", lambda systems, size: {
-        s.name: study.model_flags(s) for s in systems})
-    monkeypatch.setattr(study, "machine_info", lambda device: {"device": device})
-    monkeypatch.setattr(study, "run_system", fake_run)
+    _replace_the_runs(monkeypatch, tmp_path, fake_run)
     monkeypatch.setattr(study, "write_reports", lambda report, results: None)
     args = study.build_parser().parse_args(["--systems", "base", "--compile-layers",
                                           "--device", "cpu"])
