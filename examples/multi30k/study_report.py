@@ -76,6 +76,17 @@ def markdown_table(summaries: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Both metrics against deep: the mean difference over seeds, each seed's bootstrap p, the t-test
+VERSUS_DEEP_HEADER = ["sacreBLEU vs deep", "p per seed", "p over seeds", "chrF vs deep",
+                      "p per seed", "p over seeds"]
+
+
+def _versus_deep_cells(versus: Optional[dict]) -> List[str]:
+    """The cells of VERSUS_DEEP_HEADER for one system's comparison with deep."""
+    return [*_versus_cells(versus), _t_test_cell(versus, "bleu"),
+            *_versus_cells(versus, "chrf_"), _t_test_cell(versus, "chrf")]
+
+
 def versus_deep_table(summaries: List[dict]) -> str:
     """Each system against deep in sacreBLEU and chrF: the mean difference over seeds, each
     seed's paired bootstrap and the paired t-test over seeds; empty when no system was
@@ -83,15 +94,10 @@ def versus_deep_table(summaries: List[dict]) -> str:
     rows = [s for s in summaries if s.get("vs_deep")]
     if not rows:
         return ""
-    lines = ["| system | sacreBLEU vs deep | p per seed | p over seeds | chrF vs deep | "
-             "p per seed | p over seeds |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for s in rows:
-        versus = s["vs_deep"]
-        bleu, bleu_p = _versus_cells(versus)
-        chrf, chrf_p = _versus_cells(versus, "chrf_")
-        lines.append(f"| {s['system']} | {bleu} | {bleu_p} | {_t_test_cell(versus, 'bleu')} | "
-                     f"{chrf} | {chrf_p} | {_t_test_cell(versus, 'chrf')} |")
+    lines = ["| " + " | ".join(["system", *VERSUS_DEEP_HEADER]) + " |",
+             "|---|" + "---:|" * len(VERSUS_DEEP_HEADER)]
+    lines += ["| " + " | ".join([s["system"], *_versus_deep_cells(s["vs_deep"])]) + " |"
+              for s in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -101,16 +107,13 @@ def readme_table(report: dict) -> str:
     bootstrap p, the t-test's p over seeds); a column with nothing in any row is left out (chrF
     in runs scored before it, the test over seeds with one seed)."""
     header = ["system", "seeds", "params (M)", "test sacreBLEU", "test chrF",
-              "valid loss vs deep, last 20%", "sacreBLEU vs deep", "p per seed",
-              "p over seeds", "chrF vs deep", "p per seed", "p over seeds"]
+              "valid loss vs deep, last 20%", *VERSUS_DEEP_HEADER]
     rows = []
     for s in report["systems"]:
         versus = s.get("vs_deep")
         rows.append([s["system"], ", ".join(map(str, s["seeds"])), f"{s['params'] / 1e6:.2f}",
                      _cell(s, "test_sacrebleu", 2), _cell(s, "test_chrf", 2),
-                     _valid_versus_cell(versus), *_versus_cells(versus),
-                     _t_test_cell(versus, "bleu"), *_versus_cells(versus, "chrf_"),
-                     _t_test_cell(versus, "chrf")])
+                     _valid_versus_cell(versus), *_versus_deep_cells(versus)])
     kept = [i for i in range(len(header)) if i == 0 or any(row[i] != "-" for row in rows)]
     lines = ["| " + " | ".join(header[i] for i in kept) + " |",
              "|---|" + "---:|" * (len(kept) - 1)]
