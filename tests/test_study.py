@@ -635,7 +635,7 @@ def test_parallel_runs_go_k_at_a_time_and_reports_follow_finished_systems(tmp_pa
     running, most, lock, reports = [], [0], threading.Lock(), []
 
     def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device,
-                 target):
+                 target, compile_layers):
         with lock:
             running.append((system.name, seed))
             most[0] = max(most[0], len(running))
@@ -666,7 +666,7 @@ def test_runs_go_seed_by_seed_so_an_interrupted_study_has_compared_its_first_see
     order, reports = [], []
 
     def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device,
-                 target):
+                 target, compile_layers):
         order.append((system.name, seed, target))
         return {"system": system.name, "seed": seed, "flags": flags, "params": 1,
                 "active_params": 1, "test_sacrebleu": 10.0 + seed, "run_wall_seconds": 0.2}

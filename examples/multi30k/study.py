@@ -203,11 +203,11 @@ def run_study(args) -> dict:
     # jobs start seed by seed, each seed's systems in the study's order (base before EWA, which
     # reads its update count under a time budget; there --parallel is 1, so each job ends
     # before the next starts): an interrupted study has compared its systems on the first seeds
-    compiled = {"compile_layers": args.compile_layers} if args.compile_layers else {}
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         jobs = {pool.submit(run_system, system, flags[system.name], seed, data_bin,
                             runs_root / system.name / f"seed{seed}", budget, dict_size,
-                            runs_root, device, args.target, **compiled): (system.name, seed)
+                            runs_root, device, args.target,
+                            args.compile_layers): (system.name, seed)
                 for seed in seeds for system in systems}
         try:
             for job in as_completed(jobs):
