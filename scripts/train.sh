@@ -27,7 +27,7 @@
 # --compile-layers [BACKEND] (a flag of the plug-in, passed on like any other) compiles every
 # encoder and decoder layer with torch.compile for training. It costs a compile at the start (10-40 s
 # per layer class on 2 CPU cores), so never for a few minutes' run; for long runs measure first
-# (multipath-bench --compiled): on a 2-core CPU compiled training was 0.8-0.9x as fast as eager.
+# (multipath-bench --compiled): on a 2-core CPU, 0.81-0.86x eager's speed (dynamic ParameterNet 1.10x).
 #
 # Environment: MAX_TOKENS (or --max-tokens N) caps max-tokens; MULTIPATH_NMT_NUM_GPUS overrides
 # the detected GPU count (0 = CPU); MULTIPATH_NMT_BF16=0|1 whether the GPUs have bfloat16; PYTHON selects the interpreter with multipath_nmt installed
