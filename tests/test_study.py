@@ -1,5 +1,6 @@
 """The Multi30k study (examples/multi30k/study.sh and study.py)."""
 import argparse
+import gzip
 import importlib.util
 import json
 import os
@@ -557,6 +558,77 @@ def test_a_run_folder_from_other_flags_is_refused(tmp_path):
                          study.Budget(updates=5), 100, tmp_path)
 
 
+def _finished_run(run_dir, flags):
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps({"system": "deep", "seed": 1,
+                                                      "flags": flags, "test_sacrebleu": 36.5}))
+    (run_dir / "train.done.json").write_text(json.dumps({"wall_seconds": 60.0, "flags": flags}))
+    for subset in ("valid", "test"):
+        (run_dir / f"{subset}.generate").write_text(f"S-0\tein {subset}\nH-0\t-0.1\ta\n")
+
+
+def test_a_finished_run_kept_with_the_results_is_read_back_without_training(tmp_path,
+                                                                            monkeypatch):
+    deep = next(s for s in study.SYSTEMS if s.name == "deep")
+    flags = study.model_flags(deep)
+    run_dir, archive = tmp_path / "work" / "seed1", tmp_path / "results" / "seed1"
+    _finished_run(run_dir, flags)
+    assert study.archive_run(run_dir, archive)
+    kept = {p.name: p.read_bytes() for p in archive.iterdir()}
+    assert sorted(kept) == ["result.json", "test.generate.gz", "train.done.json",
+                            "valid.generate.gz"]
+    study.archive_run(run_dir, archive)  # the same run gives the same bytes
+    assert {p.name: p.read_bytes() for p in archive.iterdir()} == kept
+    # an unfinished run is not archived; a finished one is not overwritten by a restore
+    assert not study.archive_run(tmp_path / "unfinished", tmp_path / "nothing")
+    assert not (tmp_path / "nothing").exists()
+    assert not study.restore_run(archive, run_dir)
+
+    fresh = tmp_path / "fresh" / "seed1"
+    assert study.restore_run(archive, fresh)
+    assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in run_dir.iterdir())
+    for path in run_dir.iterdir():
+        assert (fresh / path.name).read_bytes() == path.read_bytes()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a restored run was trained again")
+    monkeypatch.setattr(sys.modules["study_run"], "run", no_training)
+    assert study.run_system(deep, flags, 1, tmp_path, fresh, study.Budget(updates=5), 100,
+                            tmp_path) == json.loads((run_dir / "result.json").read_text())
+
+
+def test_the_study_keeps_each_finished_run_and_restores_it_in_a_new_work_folder(tmp_path,
+                                                                               monkeypatch):
+    """--results keeps every finished run under runs/DATA_TAG/RUNS_FOLDER/SYSTEM/seedN; a study
+    with a new --work finds them in place and does not run them."""
+    found = []
+
+    def fake_run(system, flags, seed, data_bin, run_dir, budget, dict_size, runs_root, device,
+                 target, compile_layers):
+        found.append((run_dir / "result.json").is_file())
+        if not found[-1]:
+            _finished_run(run_dir, flags)
+        return {"system": system.name, "seed": seed, "flags": flags, "params": 1,
+                "active_params": 1, "test_sacrebleu": 36.5, "run_wall_seconds": 0.2}
+
+    _replace_the_runs(monkeypatch, tmp_path / "first", fake_run)
+    monkeypatch.setattr(study, "write_reports", lambda report, results: None)
+    def argv(updates=10):
+        return study.build_parser().parse_args([
+            "--systems", "deep,mp_pathnorm", "--seeds", "1", "--budget-updates", str(updates),
+            "--device", "cpu", "--results", str(tmp_path / "results")])
+    study.run_study(argv())
+    kept = tmp_path / "results" / "runs" / "full" / "runs-10updates"
+    assert sorted(p.name for p in kept.iterdir()) == ["deep", "mp_pathnorm"]
+    assert (kept / "mp_pathnorm" / "seed1" / "test.generate.gz").is_file()
+    _replace_the_runs(monkeypatch, tmp_path / "second", fake_run)
+    study.run_study(argv())
+    assert found == [False, False, True, True]
+    # another budget has its own runs: nothing is restored for it
+    study.run_study(argv(updates=20))
+    assert found[-2:] == [False, False]
+
+
 @pytest.mark.slow
 def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, monkeypatch):
     # one thread per process: these tiny runs gain nothing from two, which only spin-wait when
@@ -569,6 +641,13 @@ def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, 
     report = json.loads((results / "study.json").read_text())
     assert report["config"]["budget_updates"] == 2 and report["config"]["budget_minutes"] is None
     runs_root = work / "train40-eval20" / "runs-2updates"
+    # every finished run is kept beside the results, its translations gzipped
+    kept = results / "runs" / "train40-eval20" / "runs-2updates"
+    for system in ("deep", "mp_original"):
+        for seed in (1, 2):
+            with gzip.open(kept / system / f"seed{seed}" / "test.generate.gz") as archived:
+                assert archived.read() == (
+                    runs_root / system / f"seed{seed}" / "test.generate").read_bytes()
     # every system and seed ends at the same update, the same epoch, with 2,048 tokens a batch
     for summary in report["systems"]:
         assert summary["seeds"] == [1, 2]

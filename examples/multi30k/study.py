@@ -51,9 +51,10 @@ from study_report import (  # noqa: E402,F401
     readme_with_tables, versus_deep_table,
 )
 from study_run import (  # noqa: E402,F401
-    _KEY_VALUE, DEVICE_GPUS, IN_PROCESS, _same_flags, bleu_scores, checkpoint_updates,
-    checkpoints_to_average, detokenized_translations, machine_info, resolve_device, run,
-    run_system, train_command, training_stats, translate, validation_curve, write_json,
+    _KEY_VALUE, DEVICE_GPUS, IN_PROCESS, _same_flags, archive_run, bleu_scores,
+    checkpoint_updates, checkpoints_to_average, detokenized_translations, machine_info,
+    resolve_device, restore_run, run, run_system, train_command, training_stats, translate,
+    validation_curve, write_json,
 )
 from study_statistics import (  # noqa: E402,F401
     METRICS, _compare_valid_curves, ablation_step, compare_curves, paired_bootstrap,
@@ -200,6 +201,13 @@ def run_study(args) -> dict:
     start = time.monotonic()
     finished: Dict[Tuple[str, int], dict] = {}
     cache: dict = {}
+    # finished runs are kept beside the results (study_run.archive_run) in the layout of --work,
+    # so that another data set or budget never reads them back
+    archive_root = results / "runs" / data_bin.parent.name / runs_root.name
+    for seed in seeds:
+        for system in systems:
+            restore_run(archive_root / system.name / f"seed{seed}",
+                        runs_root / system.name / f"seed{seed}")
     # jobs start seed by seed, each seed's systems in the study's order (base before EWA, which
     # reads its update count under a time budget; there --parallel is 1, so each job ends
     # before the next starts): an interrupted study has compared its systems on the first seeds
@@ -211,7 +219,9 @@ def run_study(args) -> dict:
                 for seed in seeds for system in systems}
         try:
             for job in as_completed(jobs):
-                finished[jobs[job]] = job.result()
+                name, seed = jobs[job]
+                finished[name, seed] = job.result()
+                archive_run(runs_root / name / f"seed{seed}", archive_root / name / f"seed{seed}")
                 report["systems"] = summaries_of(systems, finished, seeds, runs_root, cache,
                                                  args.target)
                 report["runs_wall_seconds"] = round(sum(

@@ -1,11 +1,14 @@
 """The Multi30k study's runs (see study.py): fairseq-train and fairseq-generate as subprocesses
 with the recipe of scripts/train.sh and scripts/translate.sh, what their logs say, the averaged
-checkpoints, the scores, and the device and machine they run on.
+checkpoints, the scores, the copy of each finished run kept with the results, and the device and
+machine they run on.
 """
+import gzip
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -19,7 +22,7 @@ from study_systems import (
 )
 
 from multipath_nmt import averaging, recipe, scoring
-from multipath_nmt.atomic_files import write_text_atomically
+from multipath_nmt.atomic_files import write_atomically, write_text_atomically
 from multipath_nmt.checkpoints import read_checkpoint
 from multipath_nmt.ewa_folding import convert_ewa_checkpoint
 
@@ -267,6 +270,45 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         f"(sacreBLEU {result['test_sacrebleu']:.2f}, chrF {result['test_chrf']:.2f}), "
         f"{result['updates']} updates")
     return result
+
+
+# What the report needs of a finished run, copied beside the results (``--results``/runs/): its
+# record and its translations, gzipped (about 50 kB a run). A study resumed on another machine
+# or from a fresh clone reads the run back instead of training it again, and anyone can recompute
+# the tests against deep from the committed files. Checkpoints stay in ``--work``.
+ARCHIVED_FILES = ("result.json", "train.done.json")
+ARCHIVED_TRANSLATIONS = ("valid.generate", "test.generate")
+
+
+def archive_run(run_dir: Path, archive_dir: Path) -> bool:
+    """Copy a finished run's record and translations (``run_dir/result.json`` present) to
+    ``archive_dir``, the translations gzipped with a fixed timestamp (the same run gives the same
+    bytes); False, and nothing written, for an unfinished run."""
+    if not (run_dir / "result.json").is_file():
+        return False
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVED_FILES:
+        write_text_atomically(archive_dir / name, (run_dir / name).read_text())
+    for name in ARCHIVED_TRANSLATIONS:
+        data = gzip.compress((run_dir / name).read_bytes(), mtime=0)
+        write_atomically(archive_dir / f"{name}.gz", lambda out: out.write(data))
+    return True
+
+
+def restore_run(archive_dir: Path, run_dir: Path) -> bool:
+    """Put an archived run (:func:`archive_run`) back into ``run_dir``, which has no finished run,
+    so that :func:`run_system` reads it back; False when there is nothing to restore. The record
+    goes last: a restore cut short leaves no ``result.json`` and the run is redone."""
+    if (run_dir / "result.json").is_file() or not (archive_dir / "result.json").is_file():
+        return False
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVED_TRANSLATIONS:
+        with gzip.open(archive_dir / f"{name}.gz", "rb") as source:
+            write_atomically(run_dir / name, lambda out: shutil.copyfileobj(source, out))
+    for name in reversed(ARCHIVED_FILES):
+        write_text_atomically(run_dir / name, (archive_dir / name).read_text())
+    log(f"{run_dir}: restored from {archive_dir}")
+    return True
 
 
 def machine_info(device: str = "cpu") -> dict:
