@@ -273,24 +273,28 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
 
 
 # What the report needs of a finished run, copied beside the results (``--results``/runs/): its
-# record and its translations, gzipped (about 50 kB a run). A study resumed on another machine
+# record and its fairseq-generate outputs, gzipped and without the per-token scores (P- lines,
+# which no report reads, half the bytes): about 180 kB a run. A study resumed on another machine
 # or from a fresh clone reads the run back instead of training it again, and anyone can recompute
 # the tests against deep from the committed files. Checkpoints stay in ``--work``.
 ARCHIVED_FILES = ("result.json", "train.done.json")
 ARCHIVED_TRANSLATIONS = ("valid.generate", "test.generate")
+POSITIONAL_SCORES = b"P-"
 
 
 def archive_run(run_dir: Path, archive_dir: Path) -> bool:
     """Copy a finished run's record and translations (``run_dir/result.json`` present) to
-    ``archive_dir``, the translations gzipped with a fixed timestamp (the same run gives the same
-    bytes); False, and nothing written, for an unfinished run."""
+    ``archive_dir``, the generate outputs without P- lines, gzipped with a fixed timestamp (the
+    same run gives the same bytes); False, and nothing written, for an unfinished run."""
     if not (run_dir / "result.json").is_file():
         return False
     archive_dir.mkdir(parents=True, exist_ok=True)
     for name in ARCHIVED_FILES:
         write_text_atomically(archive_dir / name, (run_dir / name).read_text())
     for name in ARCHIVED_TRANSLATIONS:
-        data = gzip.compress((run_dir / name).read_bytes(), mtime=0)
+        lines = (run_dir / name).read_bytes().splitlines(keepends=True)
+        data = gzip.compress(b"".join(line for line in lines
+                                      if not line.startswith(POSITIONAL_SCORES)), mtime=0)
         write_atomically(archive_dir / f"{name}.gz", lambda out: out.write(data))
     return True
 
