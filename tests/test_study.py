@@ -617,6 +617,7 @@ def test_the_study_keeps_each_finished_run_and_restores_it_in_a_new_work_folder(
 
     _replace_the_runs(monkeypatch, tmp_path / "first", fake_run)
     monkeypatch.setattr(study, "write_reports", lambda report, results: None)
+
     def argv(updates=10):
         return study.build_parser().parse_args([
             "--systems", "deep,mp_pathnorm", "--seeds", "1", "--budget-updates", str(updates),

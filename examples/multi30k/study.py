@@ -53,8 +53,8 @@ from study_report import (  # noqa: E402,F401
 from study_run import (  # noqa: E402,F401
     _KEY_VALUE, DEVICE_GPUS, IN_PROCESS, _same_flags, archive_run, bleu_scores,
     checkpoint_updates, checkpoints_to_average, detokenized_translations, machine_info,
-    resolve_device, restore_run, run, run_system, train_command, training_stats, translate,
-    validation_curve, write_json,
+    resolve_device, restore_run, run, run_folder, run_system, train_command, training_stats,
+    translate, validation_curve, write_json,
 )
 from study_statistics import (  # noqa: E402,F401
     METRICS, _compare_valid_curves, ablation_step, compare_curves, paired_bootstrap,
@@ -92,9 +92,9 @@ def compare_systems(summary: dict, baseline: dict, runs_root: Path, cache: dict,
         key = (baseline["system"], summary["system"], seed)
         if key not in cache:
             base_hyps, refs = detokenized_translations(
-                runs_root / baseline["system"] / f"seed{seed}" / "test.generate", target)
+                run_folder(runs_root, baseline["system"], seed) / "test.generate", target)
             hyps, _ = detokenized_translations(
-                runs_root / summary["system"] / f"seed{seed}" / "test.generate", target)
+                run_folder(runs_root, summary["system"], seed) / "test.generate", target)
             cache[key] = {"seed": seed, **paired_bootstrap(base_hyps, hyps, refs)}
         per_seed.append(cache[key])
     if not per_seed:
@@ -206,14 +206,14 @@ def run_study(args) -> dict:
     archive_root = results / "runs" / data_bin.parent.name / runs_root.name
     for seed in seeds:
         for system in systems:
-            restore_run(archive_root / system.name / f"seed{seed}",
-                        runs_root / system.name / f"seed{seed}")
+            restore_run(run_folder(archive_root, system.name, seed),
+                        run_folder(runs_root, system.name, seed))
     # jobs start seed by seed, each seed's systems in the study's order (base before EWA, which
     # reads its update count under a time budget; there --parallel is 1, so each job ends
     # before the next starts): an interrupted study has compared its systems on the first seeds
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         jobs = {pool.submit(run_system, system, flags[system.name], seed, data_bin,
-                            runs_root / system.name / f"seed{seed}", budget, dict_size,
+                            run_folder(runs_root, system.name, seed), budget, dict_size,
                             runs_root, device, args.target,
                             args.compile_layers): (system.name, seed)
                 for seed in seeds for system in systems}
@@ -221,7 +221,7 @@ def run_study(args) -> dict:
             for job in as_completed(jobs):
                 name, seed = jobs[job]
                 finished[name, seed] = job.result()
-                archive_run(runs_root / name / f"seed{seed}", archive_root / name / f"seed{seed}")
+                archive_run(run_folder(runs_root, name, seed), run_folder(archive_root, name, seed))
                 report["systems"] = summaries_of(systems, finished, seeds, runs_root, cache,
                                                  args.target)
                 report["runs_wall_seconds"] = round(sum(

@@ -182,6 +182,12 @@ def translate(data_bin: Path, checkpoint: Path, out_prefix: Path, subset: str,
         raise StudyError(str(err)) from err
 
 
+def run_folder(root: Path, system: str, seed: int) -> Path:
+    """The folder of one system's run with one seed under ``root`` (a runs folder of --work, or
+    its copy beside the results)."""
+    return root / system / f"seed{seed}"
+
+
 def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_dir: Path,
                budget: Budget, dict_size: int, runs_root: Path, device: str = "cpu",
                target: str = DEFAULT_TARGET, compile_layers: Optional[str] = None) -> dict:
@@ -203,7 +209,7 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         # EWA's share rate rises linearly over --max-update, which a time budget does not know:
         # the base model's update count in the same budget (EWA does the base model's work plus
         # the averaging, so the budget binds). Under an updates budget it is that budget.
-        base = json.loads((runs_root / "base" / f"seed{seed}" / "result.json").read_text())
+        base = json.loads((run_folder(runs_root, "base", seed) / "result.json").read_text())
         extra = ["--max-update", str(base["updates"])]
     if compile_layers:
         extra += ["--compile-layers", compile_layers]
