@@ -14,7 +14,6 @@ Two measurements on the benchmark's default size, fp32:
 """
 import statistics
 import sys
-import time
 
 import torch
 import torch._inductor.config
@@ -23,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from multipath_nmt.benchmark.batches import fake_data_dir, synthetic_batch
 from multipath_nmt.benchmark.systems import (SIZES, build_trainer_from_argv, fairseq_flags,
                                              systems_for)
+from multipath_nmt.benchmark.timing import elapsed_seconds
 
 PRODUCTS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm",
             "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -52,19 +52,15 @@ def step_parts(trainer, sample):
 
 
 def mask_milliseconds(elements):
-    """Median milliseconds of ``x <= 0`` over ``elements`` floats: (eager, inductor)."""
+    """Median milliseconds of ``x <= 0`` over ``elements`` floats on the benchmark's clock:
+    (eager, inductor)."""
     x = torch.randn(elements)
     compiled = torch.compile(lambda t: t <= 0)
     result = []
     for fn in (lambda t: t <= 0, compiled):
-        for _ in range(3):
-            fn(x)
-        times = []
-        for _ in range(20):
-            start = time.perf_counter()
-            fn(x)
-            times.append(time.perf_counter() - start)
-        result.append(statistics.median(times) * 1000)
+        elapsed_seconds(lambda: fn(x), 3, "cpu")  # compile, warm up
+        result.append(1000 * statistics.median(
+            elapsed_seconds(lambda: fn(x), 1, "cpu") for _ in range(20)))
     return result
 
 
@@ -84,8 +80,9 @@ def main(name="multi-path L x 4 (full)"):
         print(f"| {part} | {rows['eager'][part]:.0f} | {rows['compiled'][part]:.0f} |")
     print(f"| total | {sum(rows['eager'].values()):.0f} | {sum(rows['compiled'].values()):.0f} |")
     torch.set_num_threads(1)
-    eager, compiled = mask_milliseconds(size["batch"] * size["length"] * 4 * size["ffn"])
-    print(f"x <= 0 over 4,194,304 floats, 1 thread: eager {eager:.1f} ms, inductor "
+    elements = size["batch"] * size["length"] * 4 * size["ffn"]
+    eager, compiled = mask_milliseconds(elements)
+    print(f"x <= 0 over {elements:,} floats, 1 thread: eager {eager:.1f} ms, inductor "
           f"{compiled:.1f} ms")
 
 
