@@ -6,10 +6,12 @@ import pytest
 import torch
 from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_fairseq
 from fairseq import metrics
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
 from multipath_nmt.criterions.label_smoothed_cross_entropy_with_moe import (
     LabelSmoothedCrossEntropyWithMoeCriterion,
 )
+from multipath_nmt.host_syncs import HostSyncCounter
 from multipath_nmt.modules.moe import pop_all_routing_stats
 
 CRITERION = ["--criterion", "label_smoothed_cross_entropy_with_moe"]
@@ -30,9 +32,6 @@ def build(data, arch, *extra):
 
 
 def plain_criterion(task):
-    from fairseq.criterions.label_smoothed_cross_entropy import (
-        LabelSmoothedCrossEntropyCriterion,
-    )
     return LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
 
 
@@ -88,6 +87,27 @@ def test_reduce_metrics_hand_example():
     assert values["moe_dropped_frac"] == pytest.approx(4 / 100)
     assert values["moe_load_0"] == values["moe_load_1"] == pytest.approx(0.5)
     assert values["moe_load_entropy"] == pytest.approx(0.6931, abs=1e-4)  # ln 2: balanced
+
+
+def test_reduce_metrics_reads_the_device_once_per_update(toy_data_bin):
+    """The first GPU run (docs/gpu.md) counted 7 syncs per update in reduce_metrics, one per
+    logged key; all of them now travel in one device-to-host copy."""
+    _, model, criterion, sample = build(toy_data_bin, "widenet_transformer_wmt_en_de",
+                                        *CRITERION)
+    logs = [criterion(model, sample)[2] for _ in range(2)]  # two micro-batches
+    syncs = {}
+    for reduce in (LabelSmoothedCrossEntropyWithMoeCriterion, LabelSmoothedCrossEntropyCriterion):
+        with torch.no_grad(), metrics.aggregate(new_root=True) as aggregated:
+            with HostSyncCounter() as counter:
+                reduce.reduce_metrics(logs)
+            syncs[reduce] = counter.total
+        if reduce is LabelSmoothedCrossEntropyWithMoeCriterion:
+            values = aggregated.get_smoothed_values()
+    moe, plain = syncs.values()
+    assert moe == plain + 1, syncs  # fairseq's own reads of loss, nll_loss, ... plus ours
+    kept = sum(float(sum(log[f"moe_load_{e}"] for log in logs)) for e in range(4))
+    assert values["moe_load_0"] == pytest.approx(
+        round(float(sum(log["moe_load_0"] for log in logs)) / kept, 3))
 
 
 LOG_LINE = re.compile(r"train_inner \| epoch \d+:\s+\d+ / \d+ (.*)$")
