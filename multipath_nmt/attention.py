@@ -8,7 +8,8 @@ instead of mask tensors); it patches nothing itself beyond the duration of one
 :func:`attention_calls`, so it stays a library module outside the patches package.
 """
 import functools
-from typing import Callable, Dict, List, Optional
+import warnings
+from typing import Callable, Dict, List, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,16 @@ KERNELS = {
 }
 
 
+def flash_attention_verdict(params) -> Union[bool, str]:
+    """True where flash attention can run on these ``torch.backends.cuda.SDPAParams``; else why
+    not, in torch's words (the warnings of ``can_use_flash_attention(params, debug=True)``). The
+    first GPU run (docs/gpu.md) saw False at every call site without the reason."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        allowed = torch.backends.cuda.can_use_flash_attention(params, debug=True)
+    return True if allowed else "; ".join(str(w.message).strip() for w in caught) or False
+
+
 def _site(name: str, module) -> str:
     side = "decoder" if name.startswith("decoder") or ".decoder." in name else "encoder"
     kind = "cross-attn" if name.endswith("encoder_attn") else "self-attn"
@@ -37,13 +48,14 @@ def _site(name: str, module) -> str:
     return f"{side} {kind}{paths}"
 
 
-def attention_calls(model, run: Callable[[], object]) -> Dict[str, Dict[str, Optional[bool]]]:
+def attention_calls(model, run: Callable[[], object]
+                    ) -> Dict[str, Dict[str, Union[bool, str, None]]]:
     """What every attention call site of ``model`` (fairseq's MultiheadAttention and the
     multi-path attentions) passes to ``scaled_dot_product_attention`` while ``run()`` runs:
-    {site: {mask kind: can_use_flash_attention, ...}} with the mask kinds of :data:`KERNELS`.
-    The flash check (``torch.backends.cuda.can_use_flash_attention`` on the call's own
-    ``SDPAParams``) needs CUDA tensors; on the CPU it is None."""
-    calls: Dict[str, Dict[str, Optional[bool]]] = {}
+    {site: {mask kind: flash verdict, ...}} with the mask kinds of :data:`KERNELS`. The flash
+    verdict (:func:`flash_attention_verdict` of the call's own ``SDPAParams``: True, or why not)
+    needs CUDA tensors; on the CPU it is None."""
+    calls: Dict[str, Dict[str, Union[bool, str, None]]] = {}
     stack: List[list] = []
 
     def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **_):
@@ -59,7 +71,7 @@ def attention_calls(model, run: Callable[[], object]) -> Dict[str, Dict[str, Opt
         if q.is_cuda:
             params = torch.backends.cuda.SDPAParams(q, k, v, attn_mask, dropout_p, is_causal,
                                                     False)
-            flash = torch.backends.cuda.can_use_flash_attention(params)
+            flash = flash_attention_verdict(params)
         stack[-1][1] = True
         calls.setdefault(stack[-1][0], {})[kind] = flash
 
@@ -93,8 +105,8 @@ def attention_calls(model, run: Callable[[], object]) -> Dict[str, Dict[str, Opt
     return calls
 
 
-def format_attention_calls(calls_by_phase: Dict[str, Dict[str, Dict[str, Optional[bool]]]]
-                           ) -> List[str]:
+def format_attention_calls(
+        calls_by_phase: Dict[str, Dict[str, Dict[str, Union[bool, str, None]]]]) -> List[str]:
     """A markdown table of :func:`attention_calls` results, one per phase (e.g. "training",
     "inference")."""
     lines = ["| call site | phase | mask passed to SDPA | fused kernels it allows |",
@@ -103,7 +115,9 @@ def format_attention_calls(calls_by_phase: Dict[str, Dict[str, Dict[str, Optiona
         for site, kinds in sorted(calls.items()):
             for kind, flash in sorted(kinds.items()):
                 allowed = KERNELS[kind]
-                if flash is not None:
-                    allowed += f" (can_use_flash_attention: {flash})"
+                if flash is True:
+                    allowed += " (flash: yes)"
+                elif flash is not None and "flash" in allowed:
+                    allowed += f" (flash: no, {flash})"
                 lines.append(f"| {site} | {phase} | {kind} | {allowed} |")
     return lines

@@ -1,13 +1,19 @@
 """multipath_nmt.fairseq_patches.attention: decoder self-attention with is_causal instead of mask
 tensors, exact against fairseq's masked path; and what every attention call site passes to SDPA
 (multipath_nmt.attention)."""
+import warnings
+
 import pytest
 import torch
 from conftest import TINY_MODEL
 
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.sequence_generator import SequenceGenerator
-from multipath_nmt.attention import attention_calls, format_attention_calls
+from multipath_nmt.attention import (
+    attention_calls,
+    flash_attention_verdict,
+    format_attention_calls,
+)
 from multipath_nmt.fairseq_patches.attention import mark_decoder_self_attention
 from multipath_nmt.params import build_model
 from multipath_nmt.modules.multipath import MultiPathAttention
@@ -183,3 +189,29 @@ def test_mask_passed_to_sdpa_per_call_site(name, source_padding, expected):
     assert table[0] == "| call site | phase | mask passed to SDPA | fused kernels it allows |"
     assert any("| decoder self-attn" in row and "| is_causal | flash, efficient |" in row
                for row in table)
+
+
+def test_flash_verdict_gives_torchs_reasons(monkeypatch):
+    """On a GPU, a call site where flash attention cannot run says why, in torch's words (the
+    warnings of can_use_flash_attention(debug=True)); the table prints it for the masks that
+    would allow flash."""
+    def refuse(params, debug=False):
+        assert debug
+        warnings.warn("Flash attention requires q, k and v to be 4-dimensional")
+        warnings.warn("Flash attention does not support float32")
+        return False
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", refuse)
+    reason = flash_attention_verdict(params=None)
+    assert reason == ("Flash attention requires q, k and v to be 4-dimensional; "
+                      "Flash attention does not support float32")
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention",
+                        lambda params, debug=False: True)
+    assert flash_attention_verdict(params=None) is True
+    table = format_attention_calls({"training": {
+        "encoder self-attn": {"no mask": reason}, "decoder self-attn": {"is_causal": True},
+        "decoder cross-attn": {"float mask": reason}}})
+    assert table[2:] == [
+        "| decoder cross-attn | training | float mask | efficient |",
+        "| decoder self-attn | training | is_causal | flash, efficient (flash: yes) |",
+        f"| encoder self-attn | training | no mask | flash, efficient (flash: no, {reason}) |"]

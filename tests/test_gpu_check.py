@@ -114,25 +114,28 @@ def test_fp16_bookkeeping_skipped_steps_halve_the_loss_scale():
                                      extra=["--fp16-init-scale=4096"])
         batches = padded_batches(task, trainer.model, 256, 6, mean_length=12)
         real_step = trainer.train_step
+        modes, step_modes = [], []
 
-        def step_with_one_sync(samples):
+        def step_with_one_sync(samples):  # and the sync-debug mode it ran under
+            step_modes.append(modes[-1] if modes else "default")
             warnings.warn(gpu_check.SyncWarnings.MESSAGE)
             return real_step(samples)
 
         trainer.train_step = step_with_one_sync
-        modes = []
         log = gpu_check.train_and_watch(trainer, batches, steps=6, warmup_steps=2, device="cpu",
-                                        count_syncs=lambda: gpu_check.SyncWarnings(modes.append))
+                                        count_syncs=lambda: gpu_check.SyncWarnings(modes.append),
+                                        sync_steps=2)
     assert log["initial_loss_scale"] == 4096 and log["skipped"] >= 1
     scales = log["loss_scales"]
     assert all(later <= earlier for earlier, later in zip(scales, scales[1:]))
     assert log["skipped"] == log["overflows"] == math.log2(4096 / scales[-1])
     assert len(log["losses"]) == 6 - log["skipped"] and log["losses_finite"]
-    # only the 4 steps after the warm-up are timed and counted
-    assert (log["timed_steps"], log["sync_warnings_per_step"], modes) == (4, 1.0, ["warn",
-                                                                              "default"])
+    # after the warm-up, 2 steps counted under the sync-debug mode, then 2 timed without it
+    assert (log["sync_steps"], log["timed_steps"], log["sync_warnings_per_step"]) == (2, 2, 1.0)
+    assert step_modes == ["default"] * 2 + ["warn"] * 2 + ["default"] * 2
+    assert modes == ["warn", "default"]
     assert 0 < log["tokens_per_s"] and log["peak_memory_mib"] is None  # CUDA only
-    assert list(log["sync_warning_lines"].values()) == [4]
+    assert list(log["sync_warning_lines"].values()) == [2]
 
 
 def test_fp32_training_has_no_loss_scale():
@@ -148,6 +151,9 @@ def test_compare_translations():
     same = gpu_check.compare_translations({0: [5, 6, 7, 2], 1: [8, 2]},
                                           {1: [8, 2], 0: [5, 6, 7, 2]})
     assert same == {"sentences": 2, "identical": 1.0, "bleu": pytest.approx(100.0)}
+    # an untrained model's hypotheses: no 3-grams, identical, so 100 (plain BLEU: 0)
+    short = {0: [2], 1: [8, 2]}
+    assert gpu_check.compare_translations(short, dict(short))["bleu"] == pytest.approx(100.0)
     one_off = gpu_check.compare_translations({0: [5, 6, 7, 8, 9, 2], 1: [8, 2]},
                                              {0: [5, 6, 7, 8, 4, 2], 1: [8, 2]})
     assert one_off["identical"] == 0.5 and 0 < one_off["bleu"] < 100
@@ -359,7 +365,7 @@ def test_a_failing_system_is_reported_the_next_is_checked_and_nothing_stays_aliv
     real_train_and_watch = gpu_check.train_and_watch
 
     def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=None,
-                        update_freq=1):
+                        update_freq=1, sync_steps=0):
         real_step = trainer.train_step
 
         def step(samples):
@@ -371,7 +377,7 @@ def test_a_failing_system_is_reported_the_next_is_checked_and_nothing_stays_aliv
             trainer.train_step(batches[:update_freq])
             raise RuntimeError("injected failure")
         return real_train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs,
-                                    update_freq)
+                                    update_freq, sync_steps)
 
     legs = []
 

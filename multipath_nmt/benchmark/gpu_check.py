@@ -94,7 +94,7 @@ def check_one(size, argv, device, from_data_bin, count_syncs):
                                        size["gemm_repeats"])
     flops = training_flops_per_token(trainer, batches[0])
     result = train_and_watch(trainer, batches, size["steps"], size["warmup_steps"], device,
-                             count_syncs, update_freq)
+                             count_syncs, update_freq, size["sync_steps"])
     result.update(params=sum(p.numel() for p in trainer.model.parameters()),
                   max_tokens=max_tokens, gemm_peak_flops=peak, gemm_peak_shape=best_shape,
                   train_flops_per_token=flops, mfu=flops * result["tokens_per_s"] / peak,
@@ -120,7 +120,8 @@ def fp32_reference(size, argv, batches, device):
     on the same micro-batches: their losses and tokens/s."""
     trainer, _ = build_trainer_from_argv(argv)
     log = train_and_watch(trainer, batches, size["steps"], size["warmup_steps"], device,
-                          update_freq=trainer.cfg.optimization.update_freq[0])
+                          update_freq=trainer.cfg.optimization.update_freq[0],
+                          sync_steps=size["sync_steps"])  # the same steps timed
     return {key: log[key] for key in ("losses", "losses_finite", "loss_fell", "tokens_per_s")}
 
 

@@ -5,19 +5,18 @@ precisions, the systems it trains, and the fairseq-train command each trains thr
 from multipath_nmt import recipe
 from multipath_nmt.benchmark.systems import System, systems_for
 
-# "gpu" is the size the check is made for; "tiny" runs the same code on the CPU in seconds (the
-# tests). The gpu size was estimated at about 10 minutes on one GPU when a step was one batch in
-# fp16; each system now trains 4 times the tokens (2 micro-batches per update, then again in
-# fp32), plus the 2-GPU runs: the check reports its own time, not yet measured on a GPU. ``steps`` updates per system (each of
-# UPDATE_FREQ micro-batches of up to ``max_tokens``), the first ``warmup_steps`` neither timed nor
-# counted for syncs (allocator, cuBLAS heuristics). ``lr_warmup_updates`` replaces the recipe's
-# --warmup-updates; ``ddp_updates`` is the length of the fairseq-train run on 2 GPUs.
+# "gpu" is the size the check is made for (224 s for 7 systems on one H200, docs/gpu.md); "tiny"
+# runs the same code on the CPU in seconds (the tests). ``steps`` updates per system (each of
+# UPDATE_FREQ micro-batches of up to ``max_tokens``): the first ``warmup_steps`` neither timed nor
+# counted (allocator, cuBLAS heuristics, lazily loaded kernels), the next ``sync_steps`` counted
+# for syncs, the rest timed. ``lr_warmup_updates`` replaces the recipe's --warmup-updates;
+# ``ddp_updates`` is the length of the fairseq-train run on 2 GPUs.
 CHECK_SIZES = {
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
-                 max_tokens=256, mean_length=12, steps=6, warmup_steps=2, lr_warmup_updates=2,
-                 beam_sentences=8, gemm_repeats=2, ddp_updates=4),
+                 max_tokens=256, mean_length=12, steps=6, warmup_steps=2, sync_steps=2,
+                 lr_warmup_updates=2, beam_sentences=8, gemm_repeats=2, ddp_updates=4),
     "gpu": dict(dim=512, ffn=2048, heads=8, vocab=32000, base_layers=6, decoder_layers=6,
-                max_tokens=4096, mean_length=28, steps=50, warmup_steps=10,
+                max_tokens=4096, mean_length=28, steps=50, warmup_steps=10, sync_steps=10,
                 lr_warmup_updates=10, beam_sentences=256, gemm_repeats=20, ddp_updates=20),
 }
 # train.sh's micro-batches per update: its default batch is max-tokens x GPUs x 2 for the deep

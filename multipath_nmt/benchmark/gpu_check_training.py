@@ -85,13 +85,16 @@ def halvings(scales):
 
 
 def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=None,
-                    update_freq=1):
+                    update_freq=1, sync_steps=0):
     """``steps`` updates through fairseq's Trainer, each of ``update_freq`` micro-batches of
     ``batches`` (cycled) in one ``train_step``, as fairseq-train's ``--update-freq`` does. Every
     update: skipped or not (fairseq skips the update when the fp16 gradients overflow and halves
-    the loss scale), its loss and the loss scale after it. After the first ``warmup_steps``: the
-    time, the tokens, and (``count_syncs``, a ``SyncWarnings``-like context) the
-    synchronizations."""
+    the loss scale), its loss and the loss scale after it. After the first ``warmup_steps``, the
+    next ``sync_steps`` count the synchronizations (``count_syncs``, a ``SyncWarnings``-like
+    context; else they only train), and the steps after them are timed. Apart, so that counting
+    (a Python warning per sync) does not weigh on the clock: in the first GPU run, which timed
+    the counted steps, the bf16 steps of the first two systems ran at 14% and 42% of the
+    tokens/s of their uncounted fp32 steps (docs/gpu.md)."""
     scale = loss_scale_reader(trainer.optimizer)
     initial = scale()
     log = dict(initial_loss_scale=None if initial is None else float(initial), losses=[],
@@ -107,19 +110,25 @@ def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=N
             log["losses"].append(float(output["loss"]))
         log["loss_scales"].append(scale())
 
+    if not warmup_steps + sync_steps < steps:
+        raise ValueError(f"no step left to time: {steps} steps, {warmup_steps} to warm up, "
+                         f"{sync_steps} to count synchronizations")
     for index in range(warmup_steps):
         step(index)
-    timed = range(warmup_steps, steps)
-    tokens = sum(sample["ntokens"] for index in timed for sample in samples(index))
-    syncs = count_syncs() if count_syncs else contextlib.nullcontext()
     if device == "cuda":
         trainer.cuda_env = None  # else fairseq resets the peak-memory counter at every step
         torch.cuda.reset_peak_memory_stats()
+    counted = range(warmup_steps, warmup_steps + sync_steps)
+    syncs = count_syncs() if count_syncs else contextlib.nullcontext()
+    with syncs:
+        for index in counted:
+            step(index)
+    timed = range(counted.stop, steps)
+    tokens = sum(sample["ntokens"] for index in timed for sample in samples(index))
 
     def timed_steps():
-        with syncs:  # the steps only, not the clock's own synchronization
-            for index in timed:
-                step(index)
+        for index in timed:
+            step(index)
 
     seconds = elapsed_seconds(timed_steps, 1, device)
     log["loss_scales"] = [None if s is None else float(s) for s in log["loss_scales"]]
@@ -129,7 +138,8 @@ def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=N
         losses_finite=bool(log["losses"]) and all(map(math.isfinite, log["losses"])),
         loss_fell=len(log["losses"]) > 1 and log["losses"][-1] < log["losses"][0],
         peak_memory_mib=torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else None,
-        sync_warnings_per_step=syncs.total / len(timed) if count_syncs else None,
+        sync_steps=len(counted) if count_syncs else 0,
+        sync_warnings_per_step=syncs.total / len(counted) if count_syncs and counted else None,
         sync_warning_lines=dict(list(syncs.by_line.items())[:5]) if count_syncs else None)
     return log
 
@@ -167,16 +177,18 @@ def translations(model, task, samples, beam=4):
 def compare_translations(hypotheses, references):
     """How far one precision's beam search (``hypotheses``) is from another's (``references``),
     both sentence id -> token ids: the share of identical hypotheses, and BLEU of one against
-    the other (token ids as words)."""
-    import sacrebleu
+    the other (token ids as words; orders with no n-gram in the hypotheses left out, as
+    sacreBLEU's sentence BLEU does: an untrained model's hypotheses can be a word or two, which
+    plain BLEU scores 0 even when they are identical, as in the first GPU run)."""
+    from sacrebleu.metrics import BLEU
 
     if hypotheses.keys() != references.keys():
         raise ValueError("the two translations cover different sentences")
     ids = sorted(hypotheses)
     identical = sum(hypotheses[i] == references[i] for i in ids) / len(ids)
     words = lambda tokens: " ".join(map(str, tokens))  # noqa: E731
-    bleu = sacrebleu.corpus_bleu([words(hypotheses[i]) for i in ids],
-                                 [[words(references[i]) for i in ids]], tokenize="none")
+    bleu = BLEU(tokenize="none", effective_order=True).corpus_score(
+        [words(hypotheses[i]) for i in ids], [[words(references[i]) for i in ids]])
     return {"sentences": len(ids), "identical": identical, "bleu": bleu.score}
 
 
