@@ -178,6 +178,19 @@ def test_a_failing_system_is_reported_and_the_others_measured(tmp_path, monkeypa
     assert "| **probe failed** |" in report
 
 
+def test_bench_precision_defaults_to_train_shs():
+    """Like train.sh, --precision auto unless asked: bf16 on a GPU with bfloat16 (the first
+    GPU run, which called multipath-bench --device cuda directly, timed fp32 under the old
+    fp32 default)."""
+    from multipath_nmt import recipe
+    from multipath_nmt.cli.bench import build_parser
+
+    args = build_parser().parse_args(["--device", "cuda"])
+    assert args.precision == "auto"
+    assert recipe.choose_precision(args.precision, gpus=1, bf16=True) == "bf16"
+    assert recipe.choose_precision(args.precision, gpus=0) == "fp32"
+
+
 def test_bench_precision_flags_are_checked_before_anything_runs():
     bench = [sys.executable, "-m", "multipath_nmt.cli.bench"]
     proc = run_cli([*bench, "--precision", "fp16"], check=False)

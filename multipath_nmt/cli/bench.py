@@ -14,11 +14,11 @@ def build_parser():
                         help="model and batch size; 'default' takes about 8.5 minutes on 2 idle "
                              "CPU cores, 'tiny' is for tests")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--precision", choices=["auto", *recipe.PRECISIONS], default="fp32",
+    parser.add_argument("--precision", choices=["auto", *recipe.PRECISIONS], default="auto",
                         help="train.sh's precision, the same for every system: bf16 (--amp "
-                             "--bf16) and fp16 (--amp) autocast over fp32 weights; auto is bf16 "
-                             "on GPUs that have it, else fp16, and fp32 on the CPU; fp16 needs "
-                             "--device cuda")
+                             "--bf16) and fp16 (--amp) autocast over fp32 weights; auto (the "
+                             "default, as train.sh's) is bf16 on GPUs that have it, else fp16, "
+                             "and fp32 on the CPU; fp16 needs --device cuda")
     parser.add_argument("--fp16", action="store_true",
                         help="the same as --precision fp16 (fairseq's --amp, as train.sh trains; "
                              "no longer fairseq's all-fp16 --fp16)")
@@ -43,7 +43,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.fp16:
-        if args.precision not in ("fp32", "fp16"):  # fp32: the default, not asked for
+        if args.precision not in ("auto", "fp16"):  # auto: the default, not asked for
             parser.error(f"--fp16 and --precision {args.precision} contradict each other")
         args.precision = "fp16"
     if args.precision == "fp16" and args.device != "cuda":
