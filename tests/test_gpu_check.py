@@ -147,6 +147,25 @@ def test_fp32_training_has_no_loss_scale():
     assert log["sync_warnings_per_step"] is None
 
 
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_attention_calls_are_recorded_in_the_training_autocast(precision, dtype):
+    """The training phase of the attention table comes from model_gemm_shapes' pass: under
+    train.sh's bf16 autocast it must see bf16 activations, as training does (the first GPU run
+    recorded fp32 ones, so flash attention was refused at every call site)."""
+    from multipath_nmt.benchmark.flops import model_gemm_shapes
+
+    with fake_data_dir(TINY["vocab"]) as data:
+        trainer, task = tiny_trainer(data, precision=precision)
+        batch = padded_batches(task, trainer.model, 256, 1, mean_length=12)[0]
+        seen = []
+        trainer.model.encoder.layers[0].fc1.register_forward_hook(
+            lambda module, args, out: seen.append(out.dtype))
+        calls = {}
+        model_gemm_shapes(trainer, batch, calls)
+    assert seen and set(seen) == {dtype}
+    assert calls["encoder self-attn"]  # recorded in that same pass
+
+
 def test_compare_translations():
     same = gpu_check.compare_translations({0: [5, 6, 7, 2], 1: [8, 2]},
                                           {1: [8, 2], 0: [5, 6, 7, 2]})

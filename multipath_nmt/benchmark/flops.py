@@ -2,6 +2,7 @@
 counter) and the peak rate it is judged against (a 1024^3 matmul, or the best of the model's own
 matrix products, which matters on a GPU whose rate depends on the shapes)."""
 import collections
+import contextlib
 import math
 
 import torch
@@ -72,16 +73,27 @@ def gemm_peak_flops(shapes, device, dtype, repeats):
     return best
 
 
+def training_autocast(trainer):
+    """The autocast that the trainer's ``train_step`` runs the forward under: ``--amp``'s
+    (float16, or bfloat16 with ``--bf16``: the optimizer's ``autocast_dtype``), else none."""
+    dtype = getattr(trainer.optimizer, "autocast_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(trainer.model.parameters()).device.type, dtype=dtype)
+
+
 def model_gemm_shapes(trainer, sample, attention_calls=None):
-    """The matrix products of one forward + backward of the trainer's model and criterion.
-    ``attention_calls``: a dict that receives what each attention call site passes to SDPA in
-    that pass (``multipath_nmt.attention``)."""
+    """The matrix products of one forward + backward of the trainer's model and criterion, in
+    the trainer's autocast. ``attention_calls``: a dict that receives what each attention call
+    site passes to SDPA in that pass (``multipath_nmt.attention``): under autocast, as in
+    training (the first GPU run recorded them in fp32, where flash attention cannot run)."""
     from multipath_nmt.attention import attention_calls as record_attention_calls
 
     sample = trainer._prepare_sample(sample)[0]
 
     def forward_backward():
-        loss, _, _ = trainer.criterion(trainer.model, sample)
+        with training_autocast(trainer):
+            loss, _, _ = trainer.criterion(trainer.model, sample)
         loss.backward()
 
     with GemmShapes() as shapes:
