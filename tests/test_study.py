@@ -45,6 +45,54 @@ def test_training_stats_sum_tokens_and_step_time_over_epochs():
                                          "train_tokens_per_second": 76.0}
 
 
+# two invocations of one run: the first killed 20 min 10 s after its first log line (a study
+# stopped at a session's end), the second resumed from checkpoint_last.pt
+RESUMED_TRAIN_LOG = """
+$ python -m fairseq_cli.train data-bin --seed 2
+recipe: 1 GPU(s), precision fp32
+2026-11-26 21:10:03 | INFO | fairseq_cli.train | start
+2026-11-26 21:30:13 | INFO | train_inner | epoch 014:  5 / 242 loss=3.9, num_updates=3300
+
+$ python -m fairseq_cli.train data-bin --seed 2
+2026-11-26 21:56:27 | INFO | fairseq.trainer | Loaded checkpoint_last.pt (epoch 14 @ 3146 updates)
+2026-11-26 22:40:26 | INFO | fairseq_cli.train | done training
+"""
+
+
+def test_logged_training_seconds_span_each_invocation_from_first_to_last_log_line():
+    assert study_run().logged_training_seconds(RESUMED_TRAIN_LOG) == (1210.0 + 2639.0, 2)
+    # an invocation killed before fairseq logged anything counts, with no time
+    assert study_run().logged_training_seconds("\n$ python -m fairseq_cli.train x\n") == (0.0, 1)
+    assert study_run().logged_training_seconds("") == (0.0, 0)
+
+
+def test_a_resumed_run_counts_the_training_time_of_its_earlier_invocations(tmp_path,
+                                                                          monkeypatch):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    first_invocation = RESUMED_TRAIN_LOG.split("\n\n$")[0] + "\n"
+    (run_dir / "train.log").write_text(first_invocation)
+
+    def resume(command, log_path, stdout=None):
+        with open(log_path, "a") as out:
+            out.write("\n$ python -m fairseq_cli.train\n")
+        return 100.0
+    monkeypatch.setattr(study_run(), "run", resume)
+    base = next(s for s in study.SYSTEMS if s.name == "base")
+    # the resumed training wrote no checkpoint here, so the run stops after training
+    with pytest.raises(study.StudyError, match="no checkpoint_last.pt"):
+        study_run().run_system(base, study.model_flags(base), 2,
+                               dictionaries_only_data_bin(tmp_path / "bin", "en", "de", True),
+                               run_dir, study.Budget(updates=10), 100, tmp_path)
+    done = json.loads((run_dir / "train.done.json").read_text())
+    assert (done["wall_seconds"], done["invocations"]) == (1210.0 + 100.0, 2)
+
+
+def study_run():
+    """examples/multi30k/study_run.py, as study.py imported it."""
+    return sys.modules["study_run"]
+
+
 def test_matched_ffn_gives_the_deep_models_parameters():
     systems = {s.name: s for s in study.SYSTEMS}
     deep = study.count_parameters("transformer_prenorm_wmt_en_de",

@@ -93,6 +93,24 @@ def training_stats(log_text: str) -> Dict[str, Optional[float]]:
     }
 
 
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|", re.MULTILINE)
+
+
+def logged_training_seconds(log_text: str) -> Tuple[float, int]:
+    """Seconds of training in the invocations that ``train.log`` already holds (:func:`run`
+    starts each with its ``$ command`` line), each from its first to its last timestamped
+    fairseq line (an invocation killed at a session's end included), and how many there were."""
+    seconds, invocations = 0.0, 0
+    for segment in re.split(r"^\$ ", log_text, flags=re.MULTILINE)[1:]:
+        invocations += 1
+        stamps = _LOG_TIME.findall(segment)
+        if stamps:
+            first, last = (time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S"))
+                           for s in (stamps[0], stamps[-1]))
+            seconds += last - first
+    return seconds, invocations
+
+
 def validation_curve(log_text: str) -> List[Tuple[int, float]]:
     """(updates, validation loss) from fairseq-train's validation summaries (``| valid | epoch
     003 | valid on 'valid' subset | loss 7.1 | nll_loss 6.3 | ... | num_updates 10 | ...``). The
@@ -213,14 +231,20 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         extra = ["--max-update", str(base["updates"])]
     if compile_layers:
         extra += ["--compile-layers", compile_layers]
+    earlier = 0.0
     if not train_done.is_file():
         log(f"{system.name} seed {seed}: training ({budget.describe()}) on {device} -> "
             f"{save_dir}")
         command = train_command(system.arch, [*flags, *SHARED_RECIPE, *budget.training_flags(),
                                               "--seed", str(seed), *extra],
                                 data_bin, save_dir, device)
+        # a run resumed from checkpoint_last.pt (a study stopped part-way) counts the time of
+        # its earlier invocations too, read from their log lines
+        earlier, resumed = (logged_training_seconds(train_log.read_text())
+                            if train_log.is_file() else (0.0, 0))
         seconds = run(command, train_log)
-        write_json(train_done, {"wall_seconds": round(seconds, 1), "flags": flags,
+        write_json(train_done, {"wall_seconds": round(earlier + seconds, 1),
+                                "invocations": resumed + 1, "flags": flags,
                                 "compile_layers": compile_layers})
     wall = json.loads(train_done.read_text())["wall_seconds"]
 
@@ -268,8 +292,9 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         "sacrebleu_signature": scores["test"]["sacrebleu_signature"],
         "valid_chrf": scores["valid"]["chrf"], "test_chrf": scores["test"]["chrf"],
         "chrf_signature": scores["test"]["chrf_signature"],
-        # training, averaging, translation and scoring (of the last invocation, if resumed)
-        "run_wall_seconds": round(time.monotonic() - start, 1),
+        # training, averaging, translation and scoring; for a resumed run this invocation's and
+        # the training of the earlier ones
+        "run_wall_seconds": round(time.monotonic() - start + earlier, 1),
     }
     write_json(result_path, result)
     log(f"{system.name} seed {seed}: test BLEU {result['test_bleu']:.2f} "
