@@ -43,13 +43,18 @@ def train_command(arch: str, flags: Sequence[str], data_bin: Path, save_dir: Pat
         raise StudyError(str(err)) from err
 
 
+# the line that :func:`run` writes before each command's output in its log, and that
+# :func:`logged_training_seconds` splits a resumed run's log at
+COMMAND_HEADER = "$ "
+
+
 def run(command: recipe.Command, log_path: Path, stdout: Optional[Path] = None) -> float:
     """Run ``command`` with its notes and its output appended to ``log_path`` (its standard
     output to ``stdout`` when given); seconds taken; StudyError on failure."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with open(log_path, "a") as out:
-        out.write(f"\n$ {' '.join(command.argv)}\n")
+        out.write(f"\n{COMMAND_HEADER}{' '.join(command.argv)}\n")
         out.write("".join(f"recipe: {note}\n" for note in command.notes))
         out.flush()
         if stdout is None:
@@ -98,10 +103,10 @@ _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|", re.MULTILINE)
 
 def logged_training_seconds(log_text: str) -> Tuple[float, int]:
     """Seconds of training in the invocations that ``train.log`` already holds (:func:`run`
-    starts each with its ``$ command`` line), each from its first to its last timestamped
+    starts each with a :data:`COMMAND_HEADER` line), each from its first to its last timestamped
     fairseq line (an invocation killed at a session's end included), and how many there were."""
     seconds, invocations = 0.0, 0
-    for segment in re.split(r"^\$ ", log_text, flags=re.MULTILINE)[1:]:
+    for segment in re.split("^" + re.escape(COMMAND_HEADER), log_text, flags=re.MULTILINE)[1:]:
         invocations += 1
         stamps = _LOG_TIME.findall(segment)
         if stamps:
