@@ -844,6 +844,26 @@ def test_readme_table_gives_seeds_scores_and_both_tests_against_deep():
                        "+0.70 ± 0.50 † | 0.020, 0.200 |")
 
 
+def test_readme_table_of_several_studies_says_where_each_row_ran(tmp_path):
+    on_a_gpu = {"config": {"target": "de"}, "machine": {"gpu": "NVIDIA H100 80GB HBM3"},
+                "systems": [_summary("deep", [1]), _summary("mp_pathnorm", [1], [0.6], [0.1])]}
+    en_fr = {"config": {"target": "fr"}, "machine": {"gpu": None},
+             "systems": [_summary("deep", [1])]}
+    rows = study.readme_table(on_a_gpu, en_fr).splitlines()
+    assert rows[:2] == ["| setting | system | seeds | params (M) | sacreBLEU vs deep | p per seed |",
+                        "|---|---|---:|---:|---:|---:|"]
+    assert rows[2:] == ["| En-De, H100 80GB HBM3 | deep | 1 | 3.00 | - | - |",
+                        "| En-De, H100 80GB HBM3 | mp_pathnorm | 1 | 3.00 | +0.60 † | 0.100 |",
+                        "| En-Fr, CPU | deep | 1 | 3.00 | - | - |"]
+    # the README names both files in one marker, each relative to it
+    for name, report in (("gpu", on_a_gpu), ("fr", en_fr)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "study.json").write_text(json.dumps(report))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- table: gpu/study.json fr/study.json -->\nold\n<!-- end table -->\n")
+    assert study.readme_with_tables(readme).splitlines()[2:7] == rows
+
+
 def test_compile_layers_reaches_every_training_and_the_report(tmp_path, monkeypatch):
     received = []
 

@@ -101,35 +101,51 @@ def versus_deep_table(summaries: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_table(report: dict) -> str:
-    """The README's table of a study.json: per system its seeds, size, test scores (mean ± std
-    over seeds), validation loss against deep's, and both metrics against deep (each seed's
-    bootstrap p, the t-test's p over seeds); a column with nothing in any row is left out (chrF
-    in runs scored before it, the test over seeds with one seed)."""
-    header = ["system", "seeds", "params (M)", "test sacreBLEU", "test chrF",
-              "valid loss vs deep, last 20%", *VERSUS_DEEP_HEADER]
+def _setting(report: dict) -> str:
+    """Where a study ran, for a table that quotes several: its language pair and its GPU."""
+    gpu = report["machine"].get("gpu")
+    return (f"{pair_name(report['config'].get('target', DEFAULT_TARGET))}, "
+            + (gpu.removeprefix("NVIDIA ") if gpu else "CPU"))
+
+
+def readme_table(*reports: dict) -> str:
+    """The README's table of one or more study.json files: per system its seeds, size, test scores
+    (mean ± std over seeds), validation loss against deep's, and both metrics against deep (each
+    seed's bootstrap p, the t-test's p over seeds); a column with nothing in any row is left out
+    (chrF in runs scored before it, the test over seeds with one seed). Rows of several studies
+    (seed 1 on a GPU, on another language pair) start with where they ran."""
+    several = len(reports) > 1
+    header = (["setting"] if several else []) + [
+        "system", "seeds", "params (M)", "test sacreBLEU", "test chrF",
+        "valid loss vs deep, last 20%", *VERSUS_DEEP_HEADER]
     rows = []
-    for s in report["systems"]:
-        versus = s.get("vs_deep")
-        rows.append([s["system"], ", ".join(map(str, s["seeds"])), f"{s['params'] / 1e6:.2f}",
-                     _cell(s, "test_sacrebleu", 2), _cell(s, "test_chrf", 2),
-                     _valid_versus_cell(versus), *_versus_deep_cells(versus)])
-    kept = [i for i in range(len(header)) if i == 0 or any(row[i] != "-" for row in rows)]
+    for report in reports:
+        setting = [_setting(report)] if several else []
+        for s in report["systems"]:
+            versus = s.get("vs_deep")
+            rows.append(setting + [
+                s["system"], ", ".join(map(str, s["seeds"])), f"{s['params'] / 1e6:.2f}",
+                _cell(s, "test_sacrebleu", 2), _cell(s, "test_chrf", 2),
+                _valid_versus_cell(versus), *_versus_deep_cells(versus)])
+    kept = [i for i in range(len(header))
+            if i <= several or any(row[i] != "-" for row in rows)]
     lines = ["| " + " | ".join(header[i] for i in kept) + " |",
-             "|---|" + "---:|" * (len(kept) - 1)]
+             "|" + "---|" * (1 + several) + "---:|" * (len(kept) - 1 - several)]
     lines += ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
-# The README quotes each study.json's table between these lines, the path relative to it
-README_TABLE = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+# The README quotes the tables of study.json files between these lines, the paths (one or more,
+# separated by spaces) relative to it
+README_TABLE = re.compile(r"(<!-- table: ([^>]+?) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
 def readme_with_tables(readme: Path) -> str:
-    """``readme`` with every marked table rendered again from the study.json it names."""
+    """``readme`` with every marked table rendered again from the study.json files it names."""
     def render(match):
-        report = json.loads((readme.parent / match.group(2)).read_text())
-        return match.group(1) + "\n" + readme_table(report) + "\n" + match.group(4)
+        reports = [json.loads((readme.parent / path).read_text())
+                   for path in match.group(2).split()]
+        return match.group(1) + "\n" + readme_table(*reports) + "\n" + match.group(4)
     return README_TABLE.sub(render, readme.read_text())
 
 
