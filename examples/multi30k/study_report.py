@@ -115,6 +115,7 @@ def readme_table(*reports: dict) -> str:
     (chrF in runs scored before it, the test over seeds with one seed). Rows of several studies
     (seed 1 on a GPU, on another language pair) start with where they ran."""
     several = len(reports) > 1
+    label_columns = 2 if several else 1  # setting and system, or system: always kept, left-aligned
     header = (["setting"] if several else []) + [
         "system", "seeds", "params (M)", "test sacreBLEU", "test chrF",
         "valid loss vs deep, last 20%", *VERSUS_DEEP_HEADER]
@@ -128,9 +129,9 @@ def readme_table(*reports: dict) -> str:
                 _cell(s, "test_sacrebleu", 2), _cell(s, "test_chrf", 2),
                 _valid_versus_cell(versus), *_versus_deep_cells(versus)])
     kept = [i for i in range(len(header))
-            if i <= several or any(row[i] != "-" for row in rows)]
+            if i < label_columns or any(row[i] != "-" for row in rows)]
     lines = ["| " + " | ".join(header[i] for i in kept) + " |",
-             "|" + "---|" * (1 + several) + "---:|" * (len(kept) - 1 - several)]
+             "|" + "---|" * label_columns + "---:|" * (len(kept) - label_columns)]
     lines += ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
