@@ -21,12 +21,19 @@ and SLURM, Kubernetes and cloud schedulers send SIGTERM (or a chosen signal, ``s
   128 + signal number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT). A signal that arrives
   with the last update (``--max-update`` reached, early stop) changes nothing: the run ends as it
   would have, status 0.
+* How a rank of a distributed run exits: torchrun SIGTERMs the other workers as soon as one exits
+  non-zero. A rank that is then still in interpreter shutdown has had its handlers reset and dies
+  of that SIGTERM (status -15), or aborts in the destructor of a gloo thread whose peer has gone
+  (SIGABRT): torchrun reports a crash instead of the stop. So each rank runs the ``atexit``
+  functions (logging, fairseq's log writers, data-loader workers), flushes its output and leaves
+  with ``os._exit``, skipping that shutdown. One process leaves with ``sys.exit``.
 
 Both functions are attributes of the module that runs ``fairseq-train``: ``fairseq_cli.train``
 for the console script, ``__main__`` for ``python -m fairseq_cli.train``. They are wrapped in
 whichever of those is loaded when the plug-in is imported (fairseq imports it while parsing the
 arguments, before ``main`` runs; in every process of a distributed run).
 """
+import atexit
 import functools
 import logging
 import os
@@ -112,6 +119,15 @@ def _all_ranks_wait(trainer):
         _agreed_signal(trainer)  # one more collective: nobody leaves before rank 0 has written
 
 
+def _exit(code, trainer):
+    if trainer.data_parallel_world_size <= 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _stopping_on_signal(validate_and_save):
     @functools.wraps(validate_and_save)
     def validate_and_save_or_stop(cfg, trainer, task, epoch_itr, *args, **kwargs):
@@ -139,7 +155,7 @@ def _stopping_on_signal(validate_and_save):
         logger.info(f"{_name(signum)}: stopped after update {updates} (epoch {epoch_itr.epoch}, "
                     f"batch {epoch_itr.iterations_in_epoch} of {len(epoch_itr)}); {saved}; exiting "
                     f"with status {code}")
-        sys.exit(code)
+        _exit(code, trainer)
 
     return validate_and_save_or_stop
 
