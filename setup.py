@@ -22,7 +22,10 @@ setup(
     ],
     # import-linter checks the layering of docs/architecture.md (.importlinter, make test)
     # ctranslate2: the CTranslate2 round trip of tests/test_serving.py (docs/serving.md)
-    extras_require={"test": ["pytest>=7", "import-linter>=2.5", "ctranslate2>=4"]},
+    # iopath: fairseq's --write-checkpoints-asynchronously (tests/test_checkpoints.py); with it
+    # installed, fairseq's PathManager routes every file operation through ioPath, as users see
+    extras_require={"test": ["pytest>=7", "import-linter>=2.5", "ctranslate2>=4",
+                             "iopath>=0.1.10"]},
     entry_points={
         "console_scripts": [
             "multipath-average=multipath_nmt.cli.average:main",

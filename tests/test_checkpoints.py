@@ -368,6 +368,26 @@ def test_full_disk_during_a_save(run_dir, toy_data_bin, tmp_path):
         read_checkpoint(save / name)
 
 
+@pytest.mark.slow
+def test_asynchronous_writes_save_the_synchronous_checkpoints(run_dir, toy_data_bin, tmp_path):
+    """--write-checkpoints-asynchronously (ioPath's writer thread): every checkpoint reads and
+    holds the parameters the synchronous run saved at that update. fairseq 0.12 torch.save-s into
+    ioPath's unseekable file, which with torch 2.13 left no checkpoint readable."""
+    save = tmp_path / "ckpt"
+    output = run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update",
+                               RUN_UPDATES, "--save-interval-updates", SAVE_EVERY,
+                               "--no-epoch-checkpoints", "--write-checkpoints-asynchronously"))
+    assert "ioPath PathManager finished waiting." in output
+    names = [f"checkpoint_1_{n}.pt" for n in range(SAVE_EVERY, RUN_UPDATES + 1, SAVE_EVERY)]
+    # in this mode fairseq writes the first file of a save only (it warns that it copies none)
+    assert sorted(p.name for p in save.iterdir()) == sorted(names)
+    for name in names:
+        actual, updates = load_model_state(save / name)
+        expected, expected_updates = load_model_state(run_dir / name)
+        assert updates == expected_updates
+        assert_same_tensors(actual, expected)
+
+
 def test_save_atomically_failure_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint_last.pt"
     torch.save({"old": 1}, path)

@@ -117,3 +117,23 @@ def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin
     run(comparable_command(toy_data_bin, tmp_path / "single", "multipath", *RANK_FLAGS,
                            "--update-freq", 2))
     assert_same_final_model(ddp, tmp_path / "single", 16)
+
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_asynchronous_writes_are_awaited_before_the_exit(ranks, toy_data_bin, tmp_path):
+    """--write-checkpoints-asynchronously: the stop waits for ioPath's writer threads, as
+    fairseq-train does at its end. Without that, one process shut their pool down under them at
+    exit (a traceback, the last write jobs dropped), and a rank's os._exit waits for nothing."""
+    save = tmp_path / "stopped"
+    command = comparable_command(toy_data_bin, save, "baseline", *RANK_FLAGS,
+                                 "--write-checkpoints-asynchronously", ranks=ranks)
+    code, output = run_and_signal(command, 3, signal.SIGTERM, rank=None if ranks == 1 else 1,
+                                  timeout=TORCHRUN_TIMEOUT)
+    if ranks == 1:
+        updates = _stopped_at(output, save, signal.SIGTERM, code)
+    else:
+        assert code == 1 and output.count("exitcode  : 143") == 2, output[-4000:]
+        assert output.count("Traceback") == 1, output[-4000:]  # torchrun's, reporting the 143s
+        _, updates = load_model_state(save / "checkpoint_last.pt")
+    assert f"SIGTERM: stopped after update {updates} " in output

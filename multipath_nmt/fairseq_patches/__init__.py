@@ -28,7 +28,10 @@ batching          ``data_utils.batch_by_size``                                th
                                                                               than an uninterrupted one                                          tests/test_crash_resume.py::test_sigkill_in_epoch_2_then_same_command_resumes_bit_exactly
 checkpoints       ``checkpoint_utils.load_checkpoint_to_cpu``                 one true line for each way a checkpoint fails        fairseq 0.12  tests/test_checkpoints.py::test_reader_tells_each_failure_apart
                                                                                                                                                  tests/test_checkpoints.py::test_fairseq_generate_says_one_line
-                  ``checkpoint_utils.torch_persistent_save``                  a full disk left a ``.tmp`` file and a traceback     fairseq 0.12  tests/test_checkpoints.py::test_full_disk_during_a_save
+                  ``checkpoint_utils.torch_persistent_save``                  a full disk left a ``.tmp`` file and a traceback;    fairseq 0.12  tests/test_checkpoints.py::test_full_disk_during_a_save
+                                                                              ``--write-checkpoints-asynchronously`` saved         torch 2.13    tests/test_checkpoints.py::test_asynchronous_writes_save_the_synchronous_checkpoints
+                                                                              unreadable files (torch.save into ioPath's
+                                                                              unseekable file)
                   ``PathManager.copy``                                        ``checkpoint_last.pt`` was copied in place: a kill   fairseq 0.12  tests/test_compat.py::test_atomic_copy_leaves_no_partial_file
                                                                               left it unloadable                                                 tests/test_crash_resume.py::test_sigkill_during_checkpoint_copy_leaves_a_loadable_checkpoint_last
                   ``checkpoint_utils.load_checkpoint``                        a damaged ``checkpoint_last.pt`` stopped the resume  fairseq 0.12  tests/test_checkpoints.py::test_resume_sets_a_damaged_checkpoint_last_aside
@@ -75,6 +78,7 @@ preemption        ``fairseq_cli.train.train``                                 SI
                   ``fairseq_cli.train.validate_and_save``                     after the update in flight, all ranks agree, save    fairseq 0.12  tests/test_preemption.py::test_sigterm_at_a_random_update_then_resume_is_bit_exact
                                                                               ``checkpoint_last.pt`` with the iterator position                  tests/test_preemption.py::test_two_ranks_stop_after_the_same_update_when_one_is_signalled
                                                                               and exit with 128 + the signal's number                            tests/test_preemption.py::test_signals_during_the_save_change_nothing
+                                                                                                                                                 tests/test_preemption.py::test_asynchronous_writes_are_awaited_before_the_exit
                   ``checkpoint_utils.save_checkpoint``                        records the last update saved, so that a stop does   fairseq 0.12  tests/test_preemption.py::test_two_ranks_stop_after_the_same_update_when_one_is_signalled
                                                                               not save the same update twice
 compile_layers    ``options.add_optimization_args``                           ``--compile-layers [BACKEND]``: fairseq 0.12         fairseq 0.12  tests/test_compile.py::test_fairseq_train_compiled_matches_eager_and_saves_eager_keys

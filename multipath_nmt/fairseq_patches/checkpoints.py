@@ -8,6 +8,11 @@
   (after three attempts 2.5 s apart); local saves go through
   :func:`multipath_nmt.checkpoints.save_atomically` instead (the partial file is removed, earlier
   checkpoints are untouched, one-line :class:`~multipath_nmt.checkpoints.CheckpointSaveError`).
+  With ``--write-checkpoints-asynchronously`` fairseq ``torch.save``-s straight into ioPath's
+  asynchronous file, which cannot seek: with torch 2.13 and iopath 0.1.10 every such checkpoint
+  is a zip archive without its central directory, unreadable. Here the checkpoint is serialized
+  into memory first and its bytes go through the asynchronous writer (one more copy of the
+  checkpoint in host memory until it is written).
 * ``PathManager.copy``: fairseq saves a checkpoint atomically but *copies* it in place to
   ``checkpoint_last.pt`` (and the best/epoch copies), so a kill during the copy leaves an
   unloadable file. Local copies go through a temporary file and ``os.replace``.
@@ -29,6 +34,7 @@
 """
 import functools
 import inspect
+import io
 import os
 import shutil
 import sys
@@ -56,11 +62,24 @@ def _reader(load):
 def _persistent_save(original):
     @functools.wraps(original)
     def torch_persistent_save(obj, filename, async_write=False):
-        if async_write or "://" in str(filename):
-            return original(obj, filename, async_write)
-        save_atomically(obj, filename)
+        if async_write:
+            write_asynchronously(obj, filename)
+        elif "://" in str(filename):
+            original(obj, filename)
+        else:
+            save_atomically(obj, filename)
 
     return torch_persistent_save
+
+
+def write_asynchronously(obj, filename):
+    """``torch.save(obj)`` into memory, then those bytes through ioPath's asynchronous writer."""
+    from fairseq.file_io import PathManager
+
+    serialized = io.BytesIO()
+    torch.save(obj, serialized)
+    with PathManager.opena(filename, "wb") as out:
+        out.write(serialized.getbuffer())
 
 
 def atomic_copy(src, dst, overwrite=False):

@@ -17,10 +17,11 @@ and SLURM, Kubernetes and cloud schedulers send SIGTERM (or a chosen signal, ``s
   after the same update. Unless fairseq has just saved this update anyway, every rank calls
   ``checkpoint_utils.save_checkpoint`` (rank 0 writes ``checkpoint_last.pt`` through the atomic
   writer, with the epoch iterator's position: the resume continues mid-epoch, bit-exactly on the
-  CPU), the ranks wait for the write, one line is logged, and the process exits with status
-  128 + signal number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT). A signal that arrives
-  with the last update (``--max-update`` reached, early stop) changes nothing: the run ends as it
-  would have, status 0.
+  CPU; with ``--write-checkpoints-asynchronously`` ioPath's writes are awaited, as fairseq-train
+  does at its end), the ranks wait for the write, one line is logged, and the process exits with
+  status 128 + signal number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT). A signal that
+  arrives with the last update (``--max-update`` reached, early stop) changes nothing: the run
+  ends as it would have, status 0.
 * How a rank of a distributed run exits: torchrun SIGTERMs the other workers as soon as one exits
   non-zero. A rank that is then still in interpreter shutdown has had its handlers reset and dies
   of that SIGTERM (status -15), or aborts in the destructor of a gloo thread whose peer has gone
@@ -136,6 +137,7 @@ def _stopping_on_signal(validate_and_save):
         if not signum:
             return valid_losses, should_stop
         from fairseq import checkpoint_utils
+        from fairseq.file_io import PathManager
 
         updates = trainer.get_num_updates()
         if should_stop:
@@ -144,6 +146,8 @@ def _stopping_on_signal(validate_and_save):
             return valid_losses, should_stop
         if _state.saved_at != (id(trainer), updates):
             checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
+        if cfg.checkpoint.write_checkpoints_asynchronously:
+            PathManager.async_close()  # else the exit cuts ioPath's writer off mid-file
         _all_ranks_wait(trainer)
         last = os.path.join(cfg.checkpoint.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
         if cfg.checkpoint.no_save or cfg.checkpoint.no_last_checkpoints:
