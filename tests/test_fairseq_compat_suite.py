@@ -14,10 +14,14 @@ are in no package; ``scripts/fairseq-tests.sh`` runs them, ``docs/fairseq-tests.
   fairseq builds outside ``TransformerModelBase.build_model`` (RoBERTa's encoder-decoder) gave a
   full pass that differed in the last bits from incremental decoding, because every
   encoder-decoder attention took the SDPA path.
+* Asynchronous saves (tests/test_checkpoint_utils.py::test_torch_persistent_save_async, 1): the
+  first fix of ``--write-checkpoints-asynchronously`` called ``torch.save`` itself instead of
+  fairseq's ``_torch_persistent_save`` (its three attempts).
 
 And the script itself: it tells a test that passes only without the plug-in from one that passes
 only with it.
 """
+import io
 import sys
 from unittest.mock import MagicMock, patch
 
@@ -226,6 +230,21 @@ def test_finetune_from_model_with_a_checkpoint_last_resumes_it(fairseqs_file_sys
     assert not (reset_optimizer or reset_lr_scheduler)
     assert not trainer.load_checkpoint.call_args[1]["reset_meters"]
 
+
+# --- checkpoint_utils.torch_persistent_save(async_write=True) ------------------------------
+
+def test_asynchronous_save_goes_through_fairseqs_save_and_iopaths_writer():
+    """fairseq's own test: the file is opened with PathManager.opena, the checkpoint is saved by
+    _torch_persistent_save (into memory first here, for a readable file: test_checkpoints.py)."""
+    state = {"weight": torch.ones(2)}
+    with patch("fairseq.checkpoint_utils.PathManager.opena") as opena, \
+            patch("fairseq.checkpoint_utils._torch_persistent_save",
+                  side_effect=checkpoint_utils._torch_persistent_save) as save:
+        checkpoint_utils.torch_persistent_save(state, "async_checkpoint.pt", async_write=True)
+    opena.assert_called_with("async_checkpoint.pt", "wb")
+    assert save.call_count == 1 and save.call_args[0][0] is state
+    written = opena.return_value.__enter__.return_value.write.call_args[0][0]
+    assert torch.equal(torch.load(io.BytesIO(bytes(written)))["weight"], torch.ones(2))
 
 
 # --- scripts/fairseq-tests.sh ---------------------------------------------------------------

@@ -73,11 +73,13 @@ def _persistent_save(original):
 
 
 def write_asynchronously(obj, filename):
-    """``torch.save(obj)`` into memory, then those bytes through ioPath's asynchronous writer."""
+    """fairseq's own save (``_torch_persistent_save``) into memory, then those bytes through
+    ioPath's asynchronous writer."""
+    from fairseq import checkpoint_utils
     from fairseq.file_io import PathManager
 
     serialized = io.BytesIO()
-    torch.save(obj, serialized)
+    checkpoint_utils._torch_persistent_save(obj, serialized)
     with PathManager.opena(filename, "wb") as out:
         out.write(serialized.getbuffer())
 
