@@ -95,6 +95,18 @@ TORCHRUN_TIMEOUT = 300
 RANK_FLAGS = [*SMALL_BATCHES, "--max-update", 16, "--no-epoch-checkpoints"]
 
 
+def _ranks_stopped_at(output, save_dir, code):
+    """The update a 2-rank torchrun job stopped after on SIGTERM, checked against its log and its
+    checkpoint: both workers exit 143, which torchrun reports as a failure, with one traceback
+    (its own)."""
+    assert code == 1, output[-4000:]
+    assert output.count("exitcode  : 143") == 2, output[-4000:]
+    assert output.count("Traceback") == 1, output[-4000:]
+    _, updates = load_model_state(save_dir / "checkpoint_last.pt")
+    assert f"SIGTERM: stopped after update {updates} " in output
+    return updates
+
+
 def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin, tmp_path):
     """SIGTERM reaches rank 1 only (which saves nothing itself): both ranks agree on the update,
     rank 0 saves, both exit 143; the resumed 2-rank run ends where one process with
@@ -103,11 +115,8 @@ def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin
     command = comparable_command(toy_data_bin, ddp, "multipath", *RANK_FLAGS, ranks=2)
     at = random.Random("two ranks").randint(3, 10)
     code, output = run_and_signal(command, at, signal.SIGTERM, rank=1, timeout=TORCHRUN_TIMEOUT)
-    assert code == 1  # torchrun reports its workers' status as a failure
-    assert output.count("exitcode  : 143") == 2, output[-4000:]
-    _, updates = load_model_state(ddp / "checkpoint_last.pt")
+    updates = _ranks_stopped_at(output, ddp, code)
     assert at <= updates < 16
-    assert f"SIGTERM: stopped after update {updates} " in output
     dumps = sorted(p.name for p in ddp.glob("rank*-update*.pt"))
     assert dumps == [f"rank0-update{updates}.pt", f"rank1-update{updates}.pt"]  # the same update
     assert_ranks_identical(ddp, updates)
@@ -117,7 +126,6 @@ def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin
     run(comparable_command(toy_data_bin, tmp_path / "single", "multipath", *RANK_FLAGS,
                            "--update-freq", 2))
     assert_same_final_model(ddp, tmp_path / "single", 16)
-
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -131,9 +139,6 @@ def test_asynchronous_writes_are_awaited_before_the_exit(ranks, toy_data_bin, tm
     code, output = run_and_signal(command, 3, signal.SIGTERM, rank=None if ranks == 1 else 1,
                                   timeout=TORCHRUN_TIMEOUT)
     if ranks == 1:
-        updates = _stopped_at(output, save, signal.SIGTERM, code)
+        _stopped_at(output, save, signal.SIGTERM, code)
     else:
-        assert code == 1 and output.count("exitcode  : 143") == 2, output[-4000:]
-        assert output.count("Traceback") == 1, output[-4000:]  # torchrun's, reporting the 143s
-        _, updates = load_model_state(save / "checkpoint_last.pt")
-    assert f"SIGTERM: stopped after update {updates} " in output
+        _ranks_stopped_at(output, save, code)
