@@ -1,9 +1,14 @@
 """multipath_nmt.fairseq_patches: one install(), idempotent, in a stated order, and its table names
 tests that exist."""
+import json
 import re
 import sys
+import types
 from pathlib import Path
 
+import pytest
+
+from helpers.patch_switch import patched_attributes
 from multipath_nmt import fairseq_patches
 from multipath_nmt.fairseq_patches import ewa_trainer, numerics
 from multipath_nmt.fairseq_patches.wrapping import patch_name, patches_of, wrap
@@ -11,34 +16,7 @@ from multipath_nmt.fairseq_patches.wrapping import patch_name, patches_of, wrap
 TESTS = Path(__file__).parent
 
 
-def _patched_attributes():
-    """(owner, name) of every attribute the patches replace, from the installed state."""
-    from fairseq import checkpoint_utils, options
-    from fairseq.data import data_utils
-    from fairseq.distributed import utils as distributed_utils
-    from fairseq.file_io import PathManager
-    from fairseq.models import distributed_fairseq_model
-    from fairseq.models.transformer import TransformerModelBase
-    from fairseq.modules.checkpoint_activations import CheckpointFunction
-    from fairseq.modules.multihead_attention import MultiheadAttention
-    from fairseq.optim.amp_optimizer import AMPOptimizer
-    from fairseq.tasks.fairseq_task import FairseqTask
-    from fairseq.tasks.translation import TranslationTask
-    from fairseq.trainer import Trainer
-
-    return [(distributed_utils, "_broadcast_object_slow"), (options, "parse_args_and_arch"),
-            (data_utils, "batch_by_size"), (FairseqTask, "get_batch_iterator"),
-            (checkpoint_utils, "load_checkpoint_to_cpu"), (checkpoint_utils, "torch_persistent_save"),
-            (PathManager, "copy"), (checkpoint_utils, "load_checkpoint"),
-            (checkpoint_utils, "load_model_ensemble_and_task"), (Trainer, "load_checkpoint"),
-            (sys, "excepthook"), (distributed_utils, "_infer_torch_distributed_launch_init"),
-            (distributed_fairseq_model, "DistributedDataParallel"), (Trainer, "train_step"),
-            (Trainer, "__init__"), (MultiheadAttention, "forward"),
-            (TransformerModelBase, "build_model"), (Trainer, "set_num_updates"),
-            (AMPOptimizer, "step"), (AMPOptimizer, "__init__"), (FairseqTask, "train_step"),
-            (CheckpointFunction, "forward"), (TranslationTask, "setup_task"),
-            (TranslationTask, "load_dataset"), (checkpoint_utils, "save_checkpoint"),
-            (options, "add_optimization_args")]
+_patched_attributes = patched_attributes
 
 
 def test_install_twice_wraps_nothing_again():
@@ -98,32 +76,78 @@ def test_the_table_lists_every_patch_module():
         assert re.search(rf"^{short}  ", fairseq_patches.__doc__, re.M), short
 
 
-def test_the_switch_turns_every_patch_off(tmp_path):
-    """MULTIPATH_NMT_PATCHES=off: none of the attributes the patches replace is wrapped, the
-    plug-in's models still register, and a wrong value is refused in one line."""
+# The values of MULTIPATH_NMT_PATCHES the tests below look at, all probed by one process.
+SWITCH_VALUES = ("on", "off", "no", "-attention,-preemption", "-atention", "attention",
+                 *(f"-{name}" for name in fairseq_patches.NAMES))
+
+
+@pytest.fixture(scope="module")
+def switch_runs():
+    """value -> what importing the plug-in under ``MULTIPATH_NMT_PATCHES=value`` did, each in a
+    process of its own (forked after fairseq's import: tests/helpers/patch_switch.py)."""
     import subprocess
 
     from conftest import clean_env
 
-    probe = tmp_path / "probe.py"
-    probe.write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(TESTS)!r})\n"
-        "import multipath_nmt\n"
-        "from fairseq.models import ARCH_MODEL_REGISTRY\n"
-        "from multipath_nmt.fairseq_patches.wrapping import patches_of\n"
-        "from test_fairseq_patches import _patched_attributes\n"
-        "print(sum(len(patches_of(getattr(o, n))) for o, n in _patched_attributes()),\n"
-        "      'multipath_transformer_wmt_en_de' in ARCH_MODEL_REGISTRY)\n")
-    runs = {}
-    for value in ("off", "on", "no"):
-        runs[value] = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True,
-                                     env=clean_env(MULTIPATH_NMT_PATCHES=value))
-    assert runs["off"].returncode == 0 and runs["off"].stdout.split() == ["0", "True"]
+    proc = subprocess.run([sys.executable, str(TESTS / "helpers" / "patch_switch.py"),
+                           *SWITCH_VALUES], capture_output=True, text=True, env=clean_env(),
+                          cwd=TESTS, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {value: types.SimpleNamespace(**run) for value, run in
+            json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
+def test_the_switch_turns_every_patch_off(switch_runs):
+    """MULTIPATH_NMT_PATCHES=off: none of the attributes the patches replace is wrapped, the
+    plug-in's models still register, and a wrong value is refused in one line."""
+    runs = switch_runs
+    assert runs["off"].returncode == 0 and (runs["off"].wrapped, runs["off"].registered) == (0, True)
     assert "MULTIPATH_NMT_PATCHES=off: fairseq runs without the plug-in's patches" in \
         runs["off"].stderr
-    wrapped, registered = runs["on"].stdout.split()
-    assert int(wrapped) >= len(_patched_attributes()) and registered == "True"
+    assert runs["on"].wrapped >= len(_patched_attributes()) and runs["on"].registered
     assert runs["no"].returncode != 0
     assert "ValueError: MULTIPATH_NMT_PATCHES must be 'on' or 'off', got 'no'" in runs["no"].stderr
+    assert runs["on"].modules == sorted(fairseq_patches.NAMES)
+    assert runs["off"].modules == [] and not runs["off"].namespace_allowed
 
+
+@pytest.mark.parametrize("name", fairseq_patches.NAMES)
+def test_a_minus_name_leaves_out_that_patch_module_only(name, switch_runs):
+    """MULTIPATH_NMT_PATCHES=-NAME: none of NAME's wrappers is in place, every other module's
+    are, the models register, and the warning names what is off."""
+    run = switch_runs[f"-{name}"]
+    assert run.returncode == 0 and run.registered
+    assert run.modules == sorted(set(fairseq_patches.NAMES) - {name})
+    assert run.stderr == (f"MULTIPATH_NMT_PATCHES=-{name}: fairseq runs without the plug-in's "
+                          f"patches {name}\n")
+    # torch_compat's allow-list is no wrapper: it goes with the module too
+    assert run.namespace_allowed == (name != "torch_compat")
+
+
+def test_several_names_leave_out_each(switch_runs):
+    run = switch_runs["-attention,-preemption"]
+    assert run.returncode == 0 and run.registered
+    assert run.modules == sorted(set(fairseq_patches.NAMES) - {"attention", "preemption"})
+
+
+def test_an_unknown_name_is_refused_with_the_known_ones(switch_runs):
+    known = ", ".join(fairseq_patches.NAMES)
+    last_line = switch_runs["-atention"].stderr.strip().splitlines()[-1]
+    assert switch_runs["-atention"].returncode != 0
+    assert last_line == ("ValueError: MULTIPATH_NMT_PATCHES=-atention: unknown patch 'atention'; "
+                         f"known patches: {known}")
+    # a name without its minus: only exclusions are offered, and the message says how
+    last_line = switch_runs["attention"].stderr.strip().splitlines()[-1]
+    assert switch_runs["attention"].returncode != 0
+    assert last_line == ("ValueError: MULTIPATH_NMT_PATCHES must be 'on' or 'off', got "
+                         "'attention'; or -NAME,-NAME to leave out some patches, NAME one of "
+                         f"{known}")
+
+
+def test_the_names_are_the_modules_and_the_docs_list_each():
+    assert fairseq_patches.NAMES == tuple(module.__name__.rsplit(".", 1)[1]
+                                          for module in fairseq_patches.MODULES)
+    doc = (TESTS.parent / "docs" / "patches.md").read_text()
+    switches = doc[doc.index("## Turning patches off"):]
+    for name in fairseq_patches.NAMES:
+        assert f"`-{name}`" in switches, name

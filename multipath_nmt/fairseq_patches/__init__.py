@@ -10,6 +10,8 @@ calls, when it is more than the wiring, is library code outside this package
 
 ``MULTIPATH_NMT_PATCHES=off`` in the environment installs none of them (:data:`SWITCH`): fairseq
 as it ships, for debugging and for measuring stock fairseq; the models still register.
+``MULTIPATH_NMT_PATCHES=-attention,-preemption`` leaves out just those modules (names from the
+table below, :data:`NAMES`), to debug one patch with the others in place.
 
 Tested with fairseq 0.12.3 and torch 2.13. "fairseq 0.12" below means the 0.12 series (the last
 release); "any" means every torch that setup.py allows (>= 2.1).
@@ -115,25 +117,53 @@ MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distribut
            mixed_precision, attention, ewa_trainer, preemption, compile_layers)
 
 
+NAMES = tuple(module.__name__.rsplit(".", 1)[1] for module in MODULES)
+
 # ``MULTIPATH_NMT_PATCHES=off`` installs none of the patches: fairseq runs as it ships, for
 # debugging and for measuring stock fairseq. The models still register; what the patches fix
 # is broken again (on torch >= 2.6 no checkpoint loads, --amp unscales twice, ...).
+# ``-NAME,-NAME`` leaves out only those modules: someone chasing one patch keeps the others (a
+# checkpoint still loads while the attention patch is off). Only exclusions are offered: every
+# patch is on unless named, so a new patch module is never silently left out.
 SWITCH = "MULTIPATH_NMT_PATCHES"
 
 
+def left_out():
+    """The names (:data:`NAMES`) of the modules ``MULTIPATH_NMT_PATCHES`` turns off: all for
+    ``off``, none for ``on`` (the default); a malformed value or unknown name raises one line."""
+    value = os.environ.get(SWITCH, "on").strip()
+    if value == "on":
+        return ()
+    if value == "off":
+        return NAMES
+    entries = [entry.strip() for entry in value.split(",")]
+    if not all(entry.startswith("-") for entry in entries):
+        raise ValueError(f"{SWITCH} must be 'on' or 'off', got {value!r}; or -NAME,-NAME to leave "
+                         f"out some patches, NAME one of {', '.join(NAMES)}")
+    names = [entry[1:].strip() for entry in entries]
+    unknown = [name for name in names if name not in NAMES]
+    if unknown:
+        raise ValueError(f"{SWITCH}={value}: unknown patch {', '.join(map(repr, unknown))}; "
+                         f"known patches: {', '.join(NAMES)}")
+    return tuple(name for name in NAMES if name in names)
+
+
 def enabled():
-    """Whether the patches are to be installed (``MULTIPATH_NMT_PATCHES`` is not ``off``)."""
-    value = os.environ.get(SWITCH, "on")
-    if value not in ("on", "off"):
-        raise ValueError(f"{SWITCH} must be 'on' or 'off', got {value!r}")
-    return value == "on"
+    """Whether any patch is to be installed (``MULTIPATH_NMT_PATCHES`` is not ``off``)."""
+    return len(left_out()) < len(NAMES)
 
 
 def install():
-    """Put every patch in place (idempotent), unless ``MULTIPATH_NMT_PATCHES=off``."""
-    if not enabled():
+    """Put every patch in place (idempotent), but those ``MULTIPATH_NMT_PATCHES`` turns off."""
+    skipped = left_out()
+    if len(skipped) == len(NAMES):
         logging.getLogger(__name__).warning(
             "%s=off: fairseq runs without the plug-in's patches", SWITCH)
         return
-    for module in MODULES:
-        module.install()
+    if skipped:
+        logging.getLogger(__name__).warning(
+            "%s=%s: fairseq runs without the plug-in's patches %s", SWITCH,
+            os.environ[SWITCH].strip(), ", ".join(skipped))
+    for name, module in zip(NAMES, MODULES):
+        if name not in skipped:
+            module.install()
