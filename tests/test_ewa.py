@@ -40,8 +40,11 @@ def test_schedule_values():
     early = EWASchedule(0.4, "linear", total_updates=100, stop_at=0.5)
     assert early.share_rate_at(50) == pytest.approx(0.2)
     assert early.share_rate_at(51) == 0.0
-    with pytest.raises(ValueError, match="--max-update"):
+    with pytest.raises(ValueError, match="--max-update N, or --ewa-schedule constant"):
         EWASchedule(0.4, "linear").share_rate_at(1)
+    with pytest.raises(ValueError, match="pass --max-update N [(]--max-epoch") as raised:
+        EWASchedule(0.4, "constant", stop_at=0.5).share_rate_at(1)
+    assert "ewa-schedule constant" not in str(raised.value)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -479,6 +482,35 @@ def test_training_step_and_averaging_make_no_host_sync():
 def test_impossible_ewa_settings_fail_at_build_time(toy_data_bin, flags, message):
     with pytest.raises(ValueError, match=message):
         build_like_fairseq_train(toy_data_bin, "ewa_transformer_wmt_en_de", *TINY_MODEL, *flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    # early EWA's stop point is a fraction of --max-update, whatever the schedule: constant does
+    # not help, and the message must not suggest it
+    (["--arch", "ewa_early_transformer_wmt_en_de", "--ewa-schedule", "constant"],
+     "--ewa-stop-at 0.5 stops averaging at a fraction of --max-update: pass --max-update N"),
+    (["--arch", "ewa_early_transformer_wmt_en_de"], "pass --max-update N"),
+    (["--arch", "ewa_transformer_wmt_en_de"],
+     "rises over --max-update: pass --max-update N, or --ewa-schedule constant"),
+], ids=["early-constant", "early", "linear"])
+def test_fairseq_train_refuses_ewa_without_max_update_before_the_first_update(
+        toy_data_bin, tmp_path, flags, message):
+    # train.sh gives --max-epoch 20 when no length is given: a stop point, but no --max-update
+    proc = run_fairseq("train", toy_data_bin, *TINY_MODEL, *TRAIN_FLAGS, *flags,
+                       "--criterion", "label_smoothed_cross_entropy_with_moe", "--max-epoch", "2",
+                       "--save-dir", tmp_path / "ck", check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr.strip().splitlines()[-1]
+    assert "num_updates" not in proc.stdout + proc.stderr  # refused before any update
+    assert not (tmp_path / "ck" / "checkpoint_last.pt").exists()
+
+
+def test_ewa_without_a_stop_point_still_builds_for_tools_that_do_not_train():
+    # multipath-params (and configs read back) set neither --max-epoch nor --max-update
+    from multipath_nmt import params
+
+    for arch in ("ewa_early_transformer_wmt_en_de", "ewa_transformer_wmt_en_de"):
+        params.build_model(arch, 100)
 
 
 def test_unknown_layer_pattern_fails_at_build_time():

@@ -80,6 +80,11 @@ def has_router(args):
             or (args.encoder_ffn == "parameternet" and args.parameternet_mode == "routed"))
 
 
+def training_stops_elsewhere(args):
+    """Whether fairseq-train was given a stop point other than --max-update."""
+    return bool(getattr(args, "max_epoch", 0) or getattr(args, "stop_time_hours", 0))
+
+
 def check_args(args):
     """Fail at build time on impossible settings, with the flag to fix."""
     if args.encoder_ffn not in ENCODER_FFNS:
@@ -97,7 +102,13 @@ def check_args(args):
             raise ValueError(f"--ewa-experts must be at least 2 for EWA, got {args.ewa_experts}")
         ewa_training.check_supported(args)
         ewa_layer_indices(args.ewa_layers, args.encoder_layers)
-        EWASchedule(args.ewa_share_rate, args.ewa_schedule, args.max_update, args.ewa_stop_at)
+        schedule = EWASchedule(args.ewa_share_rate, args.ewa_schedule, args.max_update,
+                               args.ewa_stop_at)
+        if schedule.needs_max_update() and training_stops_elsewhere(args):
+            # fairseq-train with --max-epoch or --stop-time-hours (train.sh adds --max-epoch 20)
+            # but no --max-update: refused here, before the first update, rather than there.
+            # Tools that only build the model (multipath-params) set no stop point at all.
+            raise ValueError(schedule.missing_length_message())
         if args.ewa_init_from and args.ewa_stop_at is not None:
             raise ValueError("--ewa-init-from is implemented for EWA layers (random partition), "
                              "not for the routed early-EWA MoE of --ewa-stop-at; drop one of "

@@ -53,12 +53,26 @@ class EWASchedule:
     def _needs_total(self):
         return self.schedule == "linear" or self.stop_at is not None
 
+    def needs_max_update(self):
+        """Whether the schedule reads --max-update (a linear rise or a stop point) and none was
+        given."""
+        return self._needs_total() and self.total_updates <= 0
+
+    def missing_length_message(self):
+        """One line naming what to pass: a stop point (early EWA) is a fraction of --max-update
+        whatever the schedule; only a linear schedule without one can turn constant instead."""
+        if self.stop_at is not None:
+            return (f"EWA with --ewa-stop-at {self.stop_at:g} stops averaging at a fraction of "
+                    "--max-update: pass --max-update N (--max-epoch and --stop-time-hours do "
+                    "not give it)")
+        return ("EWA's linear share-rate schedule rises over --max-update: pass --max-update N, "
+                "or --ewa-schedule constant")
+
     def share_rate_at(self, num_updates):
         # checked here, not at build time: tools that only build the model (multipath-params,
         # fairseq-generate of an old config) need no training length
         if self._needs_total() and self.total_updates <= 0:
-            raise ValueError("EWA with a linear schedule or a stop point needs the length of "
-                             "training: set --max-update (or use --ewa-schedule constant)")
+            raise ValueError(self.missing_length_message())
         if self.stop_at is not None and num_updates > self.stop_at * self.total_updates:
             return 0.0
         if self.schedule == "constant":
