@@ -1,6 +1,7 @@
 """What one training micro-batch costs beyond FLOPs: its host syncs and the bytes autograd keeps
 for its backward (the probes ``multipath_nmt.host_syncs`` and ``multipath_nmt.saved_tensors``,
 which the tests use on their own too)."""
+from multipath_nmt.benchmark.kernels import KernelLaunchCounter
 from multipath_nmt.host_syncs import HostSyncCounter
 from multipath_nmt.modules.moe import pop_all_routing_stats
 from multipath_nmt.saved_tensors import SavedForBackward
@@ -21,3 +22,17 @@ def micro_batch_profile(trainer, sample):
     return {"host_syncs": syncs.total, "host_syncs_by_op": dict(syncs.by_op),
             "host_syncs_by_site": dict(syncs.by_site),
             "saved_for_backward_mib": saved.nbytes / 2 ** 20}
+
+
+def update_profile(update):
+    """The host syncs and kernel launches of one whole update (``update()``: fairseq's
+    ``Trainer.train_step`` over its micro-batches: forward, loss, backward, gradient norm,
+    optimizer step and the trainer's bookkeeping), each counted in an update of its own."""
+    with HostSyncCounter() as syncs:
+        update()
+    with KernelLaunchCounter() as kernels:
+        update()
+    return {"host_syncs_per_update": syncs.total,
+            "host_syncs_per_update_by_site": dict(syncs.by_site),
+            "kernel_launches_per_update": kernels.total,
+            "kernel_launches_by_op": dict(kernels.by_op.most_common(12))}

@@ -1,5 +1,6 @@
 """The benchmark's clock and what is timed on it: training steps (split into the task's forward +
 backward and the update), beam search, and the summary of repeated measurements."""
+import itertools
 import math
 import statistics
 import time
@@ -54,13 +55,20 @@ class ForwardBackwardClock:
     """Counts the clock a trainer spends in its task's forward + backward (``task.train_step``,
     which fairseq's ``Trainer.train_step`` calls once per batch). The rest of a training step is
     the update: gradient norm, optimizer step and the plug-in's after-step hooks (EWA's
-    averaging), whose cost grows with the parameters, not with the FLOPs per token."""
+    averaging), whose cost grows with the parameters, not with the FLOPs per token.
+
+    It counts only while ``active``: on a GPU it synchronizes before and after every
+    micro-batch, which lowers the throughput of a host-bound model, so the split is measured in
+    a pass of its own, never in the timed steps."""
 
     def __init__(self, trainer, device):
         self.seconds = 0.0
+        self.active = False
         task_step = trainer.task.train_step
 
         def timed_task_step(*args, **kwargs):
+            if not self.active:
+                return task_step(*args, **kwargs)
             synchronize(device)
             start = clock(device)
             try:
@@ -72,19 +80,43 @@ class ForwardBackwardClock:
         trainer.task.train_step = timed_task_step
 
 
+def time_update_windows(update, windows, updates_per_window, device):
+    """Seconds of each of ``windows`` windows of ``updates_per_window`` calls of ``update`` (one
+    whole update: its micro-batches' forward and backward, and the optimizer step). On CUDA the
+    device's own clock, CUDA events recorded around each window, and one synchronization per
+    window, after it: the host queues work as in training, and a window's time includes the
+    kernels still running when the host has finished it. On the CPU, ``clock``'s."""
+    seconds = []
+    synchronize(device)  # the work queued before the first window is not its
+    for _ in range(windows):
+        if device == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            for _ in range(updates_per_window):
+                update()
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = clock(device)
+            for _ in range(updates_per_window):
+                update()
+            seconds.append(clock(device) - start)
+    return seconds
+
+
 def tokens_of_steps(samples, steps):
     """The tokens ``steps`` training steps see, cycling over ``samples`` from the first."""
     return sum(samples[index % len(samples)]["ntokens"] for index in range(steps))
 
 
 def time_train_steps(trainer, samples, steps, device):
-    """Tokens/s of ``steps`` training steps, cycling over ``samples`` from the first."""
-    synchronize(device)
-    start = clock(device)
-    for index in range(steps):
-        trainer.train_step([samples[index % len(samples)]])
-    synchronize(device)
-    return tokens_of_steps(samples, steps) / (clock(device) - start)
+    """Tokens/s of ``steps`` training steps (one micro-batch each), cycling over ``samples``
+    from the first, in one window of :func:`time_update_windows`."""
+    cycle = itertools.cycle(samples)
+    [seconds] = time_update_windows(lambda: trainer.train_step([next(cycle)]), 1, steps, device)
+    return tokens_of_steps(samples, steps) / seconds
 
 
 def beam_search_timer(trainer, task, size, device):

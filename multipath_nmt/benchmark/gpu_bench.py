@@ -1,0 +1,452 @@
+"""``scripts/gpu-bench.sh``: training and beam-search speed on one GPU against stock fairseq 0.12
+on the same card, in one run.
+
+Every row is a fairseq ``Trainer`` built from a whole fairseq-train command line (fairseq's own
+parser, task, model, criterion and optimizer) in a process of its own, so that the anchor can
+run without the plug-in's patches, a row's memory and compiled code never reach the next, and a
+row that fails is a finding while the others still run. The rows, at the paper's d 512 sizes
+(6 + 6 layers, FFN 2048, 8 heads, a 32,000-type joined dictionary):
+
+- the anchor: stock fairseq 0.12's ``transformer`` (pre-norm, 6 + 6) with ``--fp16`` and
+  ``--optimizer adam``, under ``MULTIPATH_NMT_PATCHES=off``: what a fairseq user runs;
+- the same model as ``scripts/train.sh`` trains it (``recipe.train_command``: its precision,
+  ``adam_fused``, the plug-in), then Deep24 and multi-path 6 x 4 (Table 2's pair of equal size),
+  WideNet, EWA, routed and dynamic ParameterNet, each through train.sh's command;
+- eager and ``--compile-layers`` for the base model and multi-path 6 x 4 (last, in what is left
+  of the time budget);
+- beam 4 as ``scripts/translate.sh`` decodes (fp16 weights on a GPU, lenpen 0.6, batches of
+  4,096 tokens) for the base model, Deep24 and multi-path 6 x 4, every hypothesis held to the
+  batch's mean length (an untrained model's lengths would be arbitrary).
+
+Every update is ``--update-freq`` micro-batches of up to 4,096 tokens (fairseq's batching and
+collater over length-varied synthetic sentences): 2 for every row, as train.sh's command asks for
+8,192 tokens per update. The clock (:func:`multipath_nmt.benchmark.timing.time_update_windows`)
+times whole updates with CUDA events and synchronizes once per window; tokens/s is the median of
+the windows with their min-max. The step split (forward + backward against the update), the
+host syncs and the kernel launches of an update are measured in passes of their own, after the
+timed windows. MFU is the measured training FLOPs per token x tokens/s over the matrix-multiply
+rate this card reached in the same run, in the row's compute dtype.
+"""
+import contextlib
+import importlib.metadata
+import itertools
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
+from multipath_nmt.benchmark.flops import training_flops_per_token
+from multipath_nmt.benchmark.gpu_check_setup import check_command, model_flags
+from multipath_nmt.benchmark.micro_batch import update_profile
+from multipath_nmt.benchmark.systems import System, build_trainer_from_argv, systems_for
+from multipath_nmt.benchmark.timing import ForwardBackwardClock, summary, time_update_windows
+from multipath_nmt.fairseq_patches.wrapping import patches_of
+
+SIZES = {
+    # the paper's base dimensions; ``budget_s``: rows are started while the run is younger
+    "gpu": dict(dim=512, ffn=2048, heads=8, vocab=32000, base_layers=6, decoder_layers=6,
+                max_tokens=4096, mean_length=28, batches=16, warmup_updates=4, windows=5,
+                window_seconds=1.0, min_window_updates=3, beam_batches=6, beam_windows=3,
+                matmul_n=8192, budget_s=330, row_timeout_s=150),
+    # the same code on the CPU in seconds: the report's form (tests)
+    "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
+                 max_tokens=256, mean_length=12, batches=4, warmup_updates=1, windows=3,
+                 window_seconds=0.0, min_window_updates=1, beam_batches=2, beam_windows=3,
+                 matmul_n=256, budget_s=600, row_timeout_s=300),
+}
+UPDATE_FREQ = 2
+ANCHOR = "anchor: fairseq transformer 6+6, --fp16, adam"
+BASE = "transformer 6+6"
+DEEP = "deep 24+6"
+MULTIPATH = "multi-path 6x4+6"
+COMPILED = ", --compile-layers"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _bench_systems(size):
+    """The line-up's systems at this size, by the names of this benchmark's rows."""
+    L = size["base_layers"]
+    by_name = {s.name: s for s in systems_for(size)}
+    deep = System(DEEP.replace("24", str(4 * L)), "transformer_prenorm_wmt_en_de",
+                  [f"--encoder-layers={4 * L}"], group="baselines")
+    return {
+        BASE: by_name["stock prenorm L"],
+        DEEP: deep,
+        MULTIPATH: by_name["multi-path L x 4 (full)"],
+        "WideNet (shared attn + MoE E4 k2)": by_name["WideNet (shared attn + MoE E4 k2)"],
+        "EWA (E4, every-2)": by_name["EWA (E4, every-2)"],
+        "ParameterNet (routed, both)": by_name["ParameterNet (routed, both)"],
+        "ParameterNet (dynamic, both)": by_name["ParameterNet (dynamic, both)"],
+    }
+
+
+def anchor_argv(data_dir, size, device):
+    """Stock fairseq's command for the base pre-norm Transformer: its own ``transformer`` arch,
+    ``--fp16`` (fairseq's FP16Optimizer) and ``--optimizer adam``, the same model size, dropout,
+    batch and loss as train.sh's base row. On the CPU, where fairseq's fp16 cannot run, fp32."""
+    return [
+        data_dir, "-s", "src", "-t", "tgt",
+        "--arch", "transformer_wmt_en_de", "--encoder-normalize-before",
+        "--decoder-normalize-before", "--share-all-embeddings",
+        f"--encoder-layers={size['base_layers']}",
+        *model_flags(size, System("", "")),
+        "--attention-dropout", "0.1", "--activation-dropout", "0.1",
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "0.001",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", str(size["max_tokens"]), "--update-freq", str(UPDATE_FREQ),
+        "--max-update", "100000", "--seed", "1", "--no-progress-bar",
+        *(["--fp16"] if device == "cuda" else ["--cpu"]),
+    ]
+
+
+def row_names(size):
+    """The rows of :func:`rows`, in their order, without building their commands."""
+    return [ANCHOR, *_bench_systems(size), BASE + COMPILED, MULTIPATH + COMPILED]
+
+
+def rows(data_dir, size, device, precision, compile_backend="inductor"):
+    """[(name, spec)]: each row's fairseq-train command line (``argv``, what fairseq's parser
+    takes), environment, compute dtype and what is measured, in the order they run."""
+    gpus = int(device == "cuda")
+    systems = _bench_systems(size)
+
+    def train_sh(system, extra=()):
+        command = check_command(data_dir, data_dir, size_for_check(size), system, precision,
+                                gpus, extra=list(extra), updates=100000)
+        return command.argv[3:]  # after "python -m fairseq_cli.train"
+
+    out = [(ANCHOR, dict(argv=anchor_argv(data_dir, size, device),
+                         env={"MULTIPATH_NMT_PATCHES": "off"},
+                         dtype="fp16" if device == "cuda" else "fp32", beam=False))]
+    for name, system in systems.items():
+        out.append((name, dict(argv=train_sh(system), env={}, dtype=precision,
+                               beam=name in (BASE, DEEP, MULTIPATH))))
+    for name in (BASE, MULTIPATH):
+        out.append((name + COMPILED, dict(
+            argv=train_sh(systems[name], ["--compile-layers", compile_backend]), env={},
+            dtype=precision, beam=False, compiled=True)))
+    return out
+
+
+def size_for_check(size):
+    """This benchmark's size in the shape ``gpu_check_setup.check_command`` reads."""
+    return dict(size, steps=100000, lr_warmup_updates=4000)
+
+
+# --- one row, in its own process ---------------------------------------------------------------
+
+def measure_row(spec, size, device):
+    """Everything measured for one row (see the module docstring); runs in the row's process."""
+    trainer, task = build_trainer_from_argv(spec["argv"])
+    update_freq = trainer.cfg.optimization.update_freq[0]
+    samples = padded_batches(task, trainer.model, trainer.cfg.dataset.max_tokens,
+                             size["batches"], size["mean_length"], seed=1)
+    cycle = itertools.cycle(samples)
+    tokens = [0]
+
+    def update():
+        micro_batches = [next(cycle) for _ in range(update_freq)]
+        tokens[0] += sum(b["ntokens"] for b in micro_batches)
+        trainer.train_step(micro_batches)
+
+    flops = (sum(training_flops_per_token(trainer, s) * s["ntokens"] for s in samples[:4])
+             / sum(s["ntokens"] for s in samples[:4]))
+    start = time.perf_counter()
+    update()  # the first update builds the optimizer state, and compiles under --compile-layers
+    first_update_s = time.perf_counter() - start
+    for _ in range(size["warmup_updates"] + (len(samples) if spec.get("compiled") else 0)):
+        update()  # compiled: every batch shape once, so that no recompile is timed
+    [probe] = time_update_windows(update, 1, 2, device)
+    per_window = max(size["min_window_updates"], math.ceil(size["window_seconds"] / (probe / 2)))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rates = []
+    for _ in range(size["windows"]):
+        tokens[0] = 0
+        [seconds] = time_update_windows(update, 1, per_window, device)
+        rates.append(tokens[0] / seconds)
+    row = dict(update_freq=update_freq, max_tokens=trainer.cfg.dataset.max_tokens,
+               params=sum(p.numel() for p in trainer.model.parameters()),
+               train_flops_per_token=flops, first_update_s=first_update_s,
+               updates_per_window=per_window, tokens_per_s=summary(rates))
+    if device == "cuda":
+        row["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    # the untimed passes: the step split, then one update's host syncs and kernel launches
+    split = ForwardBackwardClock(trainer, device)
+    split.active = True
+    [seconds] = time_update_windows(update, 1, per_window, device)
+    split.active = False
+    row["forward_backward_ms"] = 1e3 * split.seconds / per_window
+    row["update_ms"] = 1e3 * seconds / per_window - row["forward_backward_ms"]
+    row.update(update_profile(update))
+    # which of the plug-in's patches this process runs under (none for the anchor)
+    row["patched_train_step"] = list(patches_of(type(trainer).train_step))
+    if spec.get("beam"):
+        row["beam_sentences_per_s"] = beam_sentences_per_s(trainer, task, size, device)
+    return row
+
+
+def beam_sentences_per_s(trainer, task, size, device):
+    """Beam 4 as ``scripts/translate.sh`` decodes (fp16 weights on a GPU, lenpen 0.6, batches
+    of up to 4,096 tokens), every hypothesis held to ``mean_length`` tokens: the sentences/s of
+    each window of ``beam_batches`` batches."""
+    from fairseq import utils
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model = trainer.model
+    model.eval()
+    if device == "cuda":
+        model.half()
+    length = size["mean_length"]
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=4, len_penalty=0.6,
+                                  max_len_a=0, max_len_b=length, min_len=length)
+    batches = [utils.move_to_cuda(b) if device == "cuda" else b for b in padded_batches(
+        task, model, trainer.cfg.dataset.max_tokens, size["beam_batches"], length, seed=2)]
+    cycle = itertools.cycle(batches)
+    sentences = [0]
+
+    def decode():
+        batch = next(cycle)
+        sentences[0] += batch["nsentences"]
+        generator.generate([model], batch)
+
+    with torch.no_grad():
+        for _ in range(2):  # warm-up (fairseq's TorchScript helpers specialise on first calls)
+            decode()
+        rates = []
+        for _ in range(size["beam_windows"]):
+            sentences[0] = 0
+            [seconds] = time_update_windows(decode, 1, len(batches), device)
+            rates.append(sentences[0] / seconds)
+    return summary(rates)
+
+
+def _row_main(spec_path, out_path):
+    """``python -m multipath_nmt.benchmark.gpu_bench SPEC OUT``: one row (what :func:`run`
+    starts for each); writes its figures, or its error, to OUT as JSON."""
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.WARNING, force=True)
+    warnings.filterwarnings("ignore")
+    with open(spec_path) as f:
+        job = json.load(f)
+    try:
+        result = measure_row(job["spec"], job["size"], job["device"])
+    except Exception as error:  # the parent reports it as the row's finding
+        lines = str(error).strip().splitlines()
+        result = {"error": f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+# --- the whole run -----------------------------------------------------------------------------
+
+def matmul_rate(dtype, n, device, repeats=10):
+    """The FLOP rate of an n x n x n matrix product in ``dtype`` on this device, best of
+    ``repeats`` after warm-up: what MFU is judged against."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(3):
+        torch.mm(a, b)
+    seconds = time_update_windows(lambda: torch.mm(a, b), repeats, 1, device)
+    return 2 * n ** 3 / min(seconds)
+
+
+def environment(device, commit=None):
+    """Where the figures come from: device, driver, versions, commit."""
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "fairseq": version("ve-fairseq") or version("fairseq"),
+            "cpu_cores": os.cpu_count(), "commit": commit or _git_commit()}
+    if device == "cuda":
+        info.update(device=torch.cuda.get_device_name(),
+                    gpus=torch.cuda.device_count(),
+                    cudnn=torch.backends.cudnn.version(), driver=_nvidia_driver())
+    else:
+        info["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    return info
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _nvidia_driver():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return None
+
+
+def run(size_name="gpu", device="cuda", precision="bf16", only=None, compile_backend="inductor",
+        commit=None, budget_s=None, log=print):
+    """Run every row (``only``: these names) in a process of its own; returns the result dict
+    that :func:`markdown_report` renders. A row not started within ``budget_s`` of the run's
+    start is reported as not run."""
+    start = time.perf_counter()
+    size = SIZES[size_name]
+    budget_s = size["budget_s"] if budget_s is None else budget_s
+    dtypes = sorted({"fp16" if device == "cuda" else "fp32", precision})
+    peaks = {d: matmul_rate(DTYPES[d], size["matmul_n"], device) for d in dtypes}
+    log(f"matrix-multiply rate: {', '.join(f'{d} {r / 1e12:.1f} TFLOP/s' for d, r in peaks.items())}")
+    results = {}
+    with fake_data_dir(size["vocab"]) as data, tempfile.TemporaryDirectory() as work:
+        lineup = [(n, s) for n, s in rows(data, size, device, precision, compile_backend)
+                  if not only or n in only]
+        for index, (name, spec) in enumerate(lineup):
+            left = budget_s - (time.perf_counter() - start)
+            command = shlex.join(["fairseq-train", *spec["argv"]])
+            env_words = " ".join(f"{k}={v}" for k, v in spec["env"].items())
+            row = {"command": f"{env_words} {command}".strip(), "dtype": spec["dtype"]}
+            if left <= 0:
+                row["error"] = f"not run: the time budget of {budget_s:.0f} s was spent"
+            else:
+                row.update(_run_row(spec, size, device, work, index,
+                                    min(size["row_timeout_s"], left + 30)))
+            if "tokens_per_s" in row:
+                row["mfu"] = (row["train_flops_per_token"] * row["tokens_per_s"]["median"]
+                              / peaks[spec["dtype"]])
+            results[name] = row
+            log(f"{name}: {json.dumps(row)[:240]}")
+    return {"size": size_name, "shape": size, "device": device, "precision": precision,
+            "update_freq": UPDATE_FREQ, "environment": environment(device, commit),
+            "matmul_peak_flops": peaks, "command": shlex.join(sys.argv),
+            "rows": results, "seconds": time.perf_counter() - start}
+
+
+def _run_row(spec, size, device, work, index, timeout):
+    spec_path = os.path.join(work, f"row{index}.json")
+    out_path = os.path.join(work, f"row{index}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump({"spec": spec, "size": size, "device": device}, f)
+    started = time.perf_counter()
+    try:
+        finished = subprocess.run(
+            [sys.executable, "-m", "multipath_nmt.benchmark.gpu_bench", spec_path, out_path],
+            env={**os.environ, **spec["env"]}, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {timeout:.0f} s", "seconds": timeout}
+    row = {"seconds": time.perf_counter() - started}
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            row.update(json.load(f))
+    else:
+        tail = (finished.stderr.strip().splitlines() or ["no output"])[-1]
+        row["error"] = f"exit status {finished.returncode}: {tail[:300]}"
+    return row
+
+
+# --- the report --------------------------------------------------------------------------------
+
+def _ratio(rows_, name, other, key="tokens_per_s"):
+    a, b = rows_.get(name, {}).get(key), rows_.get(other, {}).get(key)
+    if not a or not b:
+        return None
+    return a["median"] / b["median"]
+
+
+def targets(result):
+    """Issue 47's targets, as ratios measured in this run: (text, value, needed, met)."""
+    r = result["rows"]
+    out = []
+
+    def target(text, value, needed, higher_is_better=True):
+        if value is not None:
+            out.append((text, value, (">=" if higher_is_better else "<=") + f" {needed}",
+                        value >= needed if higher_is_better else value <= needed))
+
+    target(f"{BASE} (train.sh) tokens/s vs the anchor", _ratio(r, BASE, ANCHOR), 1.0)
+    target(f"{MULTIPATH} vs {DEEP}, training tokens/s", _ratio(r, MULTIPATH, DEEP), 1.0)
+    target(f"{MULTIPATH} vs {DEEP}, beam sentences/s",
+           _ratio(r, MULTIPATH, DEEP, "beam_sentences_per_s"), 0.95)
+    target(f"{MULTIPATH}: --compile-layers vs eager tokens/s",
+           _ratio(r, MULTIPATH + COMPILED, MULTIPATH), 1.2)
+    launches = {n: row.get("kernel_launches_per_update") for n, row in r.items()}
+    if launches.get(MULTIPATH) and launches.get(DEEP):
+        target(f"kernel launches per update, {MULTIPATH} vs {DEEP}",
+               launches[MULTIPATH] / launches[DEEP], 1.0, higher_is_better=False)
+    anchor_syncs = r.get(ANCHOR, {}).get("host_syncs_per_update")
+    if anchor_syncs is not None:
+        # fairseq reads whether a batch has padding once per encoder layer: Deep24 has its
+        # own count, every other row has the anchor's 6 layers
+        for name, row in r.items():
+            if name not in (ANCHOR, DEEP) and "host_syncs_per_update" in row:
+                target(f"host syncs per update, {name}, more than the anchor's {anchor_syncs}",
+                       row["host_syncs_per_update"] - anchor_syncs, 0, higher_is_better=False)
+    return out
+
+
+def _span(s, form=",.0f"):
+    return f"{s['median']:{form}} [{s['min']:{form}}-{s['max']:{form}}]"
+
+
+def markdown_report(result):
+    env = result["environment"]
+    peaks = ", ".join(f"{d} {rate / 1e12:.1f} TFLOP/s" for d, rate
+                      in result["matmul_peak_flops"].items())
+    anchor = result["rows"].get(ANCHOR, {}).get("tokens_per_s")
+    lines = [
+        f"Device: {env['device']}" + (f" (driver {env['driver']}, CUDA {env['cuda']}, cuDNN "
+                                      f"{env['cudnn']})" if result["device"] == "cuda" else "")
+        + f"; torch {env['torch']}, fairseq {env['fairseq']}, Python {env['python']}; commit "
+        f"{env['commit']}; size `{result['size']}` (d {result['shape']['dim']}, "
+        f"{result['shape']['max_tokens']}-token micro-batches, {result['update_freq']} per "
+        f"update); train.sh precision {result['precision']}; matrix-multiply rate measured in "
+        f"this run ({result['shape']['matmul_n']}^3): {peaks}. {result['seconds']:.0f} s.", "",
+        "| row | dtype | tokens/s median [min-max] | vs anchor | MFU | peak MiB | "
+        "ms per update: fwd+bwd + update | host syncs / update | kernel launches / update | "
+        "beam sent/s | first update s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in result["rows"].items():
+        if "error" in row:
+            lines.append(f"| {name} | {row['dtype']} | {row['error']} | | | | | | | | |")
+            continue
+        rate = row["tokens_per_s"]
+        versus = f"{rate['median'] / anchor['median']:.2f}x" if anchor else ""
+        memory = f"{row['peak_memory_mib']:,.0f}" if "peak_memory_mib" in row else ""
+        beam = _span(row["beam_sentences_per_s"], ",.1f") if "beam_sentences_per_s" in row else ""
+        lines.append(
+            f"| {name} | {row['dtype']} | {_span(rate)} | {versus} | {100 * row['mfu']:.1f}% "
+            f"| {memory} | {row['forward_backward_ms']:.1f} + {row['update_ms']:.1f} | "
+            f"{row['host_syncs_per_update']} | {row['kernel_launches_per_update']:,} | {beam} | "
+            f"{row['first_update_s']:.1f} |")
+    lines += ["", "| target | measured | needed | met |", "|---|---|---|---|"]
+    for text, value, needed, met in targets(result):
+        lines.append(f"| {text} | {value:.3f} | {needed} | {'yes' if met else '**no**'} |")
+    lines += ["", "Commands (fairseq-train's arguments; the data-bin is a dictionaries-only "
+              "folder, batches are synthetic):", ""]
+    lines += [f"- {name}: `{row['command']}`" for name, row in result["rows"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(result, out):
+    from multipath_nmt.atomic_files import write_text_atomically
+
+    os.makedirs(out, exist_ok=True)
+    write_text_atomically(os.path.join(out, "gpu-bench.json"), json.dumps(result, indent=1))
+    write_text_atomically(os.path.join(out, "gpu-bench.md"), markdown_report(result))
+
+
+if __name__ == "__main__":
+    _row_main(*sys.argv[1:])

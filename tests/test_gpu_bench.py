@@ -1,0 +1,141 @@
+"""scripts/gpu-bench.sh and its clock, on the CPU: whole updates timed in windows with one
+synchronization each, the step split and the counters in passes of their own, the anchor run
+without the plug-in's patches, and the report's form (``--device cpu --size tiny``)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multipath_nmt.benchmark import gpu_bench, timing
+from multipath_nmt.benchmark.kernels import KernelLaunchCounter
+
+
+class FakeEvent:
+    """Stands in for ``torch.cuda.Event``: logs what the clock does with it."""
+    log = []
+
+    def __init__(self, enable_timing):
+        assert enable_timing
+
+    def record(self):
+        self.log.append("record")
+
+    def synchronize(self):
+        self.log.append("event sync")
+
+    def elapsed_time(self, other):
+        return 250.0  # ms
+
+
+def test_cuda_windows_synchronize_once_each_after_the_updates(monkeypatch):
+    FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(timing, "synchronize", lambda device: FakeEvent.log.append("sync"))
+    seconds = timing.time_update_windows(lambda: FakeEvent.log.append("update"), 3, 2, "cuda")
+    assert seconds == [0.25, 0.25, 0.25]
+    window = ["record", "update", "update", "record", "event sync"]
+    assert FakeEvent.log == ["sync", *window * 3]
+
+
+class FakeTask:
+    def train_step(self, *args):
+        FakeEvent.log.append("micro-batch")
+
+
+class FakeTrainer:
+    def __init__(self):
+        self.task = FakeTask()
+
+
+def test_step_split_synchronizes_only_in_its_own_pass(monkeypatch):
+    FakeEvent.log = []
+    monkeypatch.setattr(timing, "synchronize", lambda device: FakeEvent.log.append("sync"))
+    trainer = FakeTrainer()
+    split = timing.ForwardBackwardClock(trainer, "cuda")
+    trainer.task.train_step()
+    assert FakeEvent.log == ["micro-batch"] and split.seconds == 0.0
+    split.active = True
+    trainer.task.train_step()
+    assert FakeEvent.log == ["micro-batch", "sync", "micro-batch", "sync"]
+
+
+def test_kernel_counter_skips_views_and_allocations():
+    x = torch.randn(4, 4)
+    with KernelLaunchCounter() as kernels:
+        y = x.t()  # a view
+        z = y @ x  # mm
+        z.view(16).sum()  # a view, then sum
+        torch.empty(3)  # an allocation, no kernel
+    assert kernels.total == 2
+    assert dict(kernels.by_op) == {"mm": 1, "sum": 1}
+
+
+def test_unknown_row_is_refused_in_one_line():
+    from multipath_nmt.cli import gpu_bench as cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--device", "cpu", "--size", "tiny", "--only", "nonsense"])
+    assert str(stop.value).startswith("gpu-bench: unknown row(s) ['nonsense']; choose from ")
+
+
+def test_rows_past_the_budget_are_reported_not_run():
+    result = gpu_bench.run("tiny", "cpu", "fp32", only=[gpu_bench.ANCHOR], budget_s=0,
+                           log=lambda m: None)
+    assert result["rows"][gpu_bench.ANCHOR]["error"] == \
+        "not run: the time budget of 0 s was spent"
+    assert f"| {gpu_bench.ANCHOR} | fp32 | not run" in gpu_bench.markdown_report(result)
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-bench")
+    rows = [gpu_bench.ANCHOR, gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH]
+    finished = subprocess.run(
+        ["bash", "scripts/gpu-bench.sh", "--device", "cpu", "--size", "tiny", "--out", str(out),
+         "--commit", "0123abc", "--only", *rows], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHON": sys.executable})
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    return json.loads((out / "gpu-bench.json").read_text()), (out / "gpu-bench.md").read_text()
+
+
+@pytest.mark.slow
+def test_anchor_is_stock_fairseq_and_the_rows_train_sh_commands(tiny_bench):
+    result, _ = tiny_bench
+    rows = result["rows"]
+    anchor = rows[gpu_bench.ANCHOR]
+    assert anchor["command"].startswith("MULTIPATH_NMT_PATCHES=off fairseq-train ")
+    assert "--user-dir" not in anchor["command"] and "--optimizer adam " in anchor["command"]
+    assert anchor["patched_train_step"] == []  # no patch of the plug-in in its process
+    for name in (gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH):
+        assert "--optimizer adam_fused" in rows[name]["command"], name
+        assert rows[name]["patched_train_step"], name
+    for name, row in rows.items():
+        assert row["update_freq"] == gpu_bench.UPDATE_FREQ == 2, name
+        assert len(row["tokens_per_s"]["values"]) == 3, name  # the tiny size's windows
+        assert row["tokens_per_s"]["min"] <= row["tokens_per_s"]["median"] \
+            <= row["tokens_per_s"]["max"]
+        assert row["forward_backward_ms"] > 0 and row["update_ms"] > 0, name
+    assert {n for n, r in rows.items() if "beam_sentences_per_s" in r} == \
+        {gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH}
+    assert result["environment"]["commit"] == "0123abc"
+    assert set(result["matmul_peak_flops"]) == {"fp32"}
+
+
+@pytest.mark.slow
+def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
+    result, report = tiny_bench
+    rows = result["rows"]
+    # the multi-path model has a quarter of Deep's encoder layers: fewer kernels per update
+    assert rows[gpu_bench.MULTIPATH]["kernel_launches_per_update"] < \
+        rows[gpu_bench.DEEP]["kernel_launches_per_update"]
+    # the plug-in adds no host sync to fairseq's on the models of the anchor's depth
+    assert rows[gpu_bench.BASE]["host_syncs_per_update"] == \
+        rows[gpu_bench.MULTIPATH]["host_syncs_per_update"] == \
+        rows[gpu_bench.ANCHOR]["host_syncs_per_update"]
+    table = [line for line in report.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| row | dtype | tokens/s median [min-max] | vs anchor | MFU |")
+    assert f"| {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP}, training tokens/s |" in report
+    assert f"| kernel launches per update, {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP} |" in report
