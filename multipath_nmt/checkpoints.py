@@ -23,12 +23,15 @@
 """
 import argparse
 import collections
+import concurrent.futures
 import errno
 import importlib
+import itertools
 import logging
 import os
 import pickle
 import re
+import threading
 import zipfile
 
 import torch
@@ -396,9 +399,11 @@ def _reason(err):
 
 def write_atomically(path, write):
     """:func:`multipath_nmt.atomic_files.write_atomically` (``path`` is left as it was on any
-    failure, no temporary file stays behind), its errors as one :class:`CheckpointSaveError`."""
+    failure, no temporary file stays behind), its errors as one :class:`CheckpointSaveError`.
+    A file written is recorded (:func:`written_since`)."""
     try:
         atomic_files.write_atomically(path, write)
+        _record_written(path)
     except CheckpointSaveError:
         raise
     except Exception as err:
@@ -413,6 +418,93 @@ def write_atomically(path, write):
 def save_atomically(obj, path):
     """``torch.save(obj)`` to ``path`` through :func:`write_atomically`."""
     write_atomically(path, lambda out: torch.save(obj, out))
+
+
+# --- what this process wrote ----------------------------------------------------------------
+
+# path -> the number of the write that last completed it; written to by the asynchronous
+# writer's thread too, hence the lock.
+_written = {}
+_written_lock = threading.Lock()
+_writes = itertools.count(1)
+
+
+def _record_written(path):
+    with _written_lock:
+        _written[os.path.abspath(str(path))] = next(_writes)
+
+
+def write_mark():
+    """A mark to pass to :func:`written_since` later."""
+    with _written_lock:
+        return max(_written.values(), default=0)
+
+
+def written_since(mark):
+    """The files this process completed after ``mark`` (:func:`write_mark`), oldest first."""
+    with _written_lock:
+        return [path for path, n in sorted(_written.items(), key=lambda item: item[1]) if n > mark]
+
+
+# --- asynchronous saves ------------------------------------------------------------------------
+
+class AsynchronousWriter:
+    """Writes checkpoints on one background thread (``--write-checkpoints-asynchronously``).
+
+    Each job writes the same bytes to one or more paths, each through :func:`write_atomically`
+    (a temporary file, fsynced, renamed over the path): a kill at any moment leaves every path
+    either as it was or complete. Jobs run one after the other, in the order submitted. A job
+    that fails keeps its :class:`CheckpointSaveError`; :meth:`raise_error` raises it in the
+    training process (at the next save, and when the writes are awaited at the end), so an error
+    is never lost in the thread.
+    """
+
+    def __init__(self):
+        self._executor = None
+        self._jobs = []  # futures not yet checked, oldest first
+        self._lock = threading.Lock()
+
+    def submit(self, paths, chunks):
+        """Write the concatenated ``chunks`` (bytes-like, kept by reference until written) to each
+        of ``paths`` in turn; returns at once."""
+        self.raise_error()
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="multipath_nmt-checkpoint-writer")
+            self._jobs.append(self._executor.submit(_write_each, list(paths), list(chunks)))
+
+    def wait(self, pending=0):
+        """Block until at most ``pending`` jobs are still to finish (0: all of them)."""
+        with self._lock:
+            running = [job for job in self._jobs if not job.done()]
+        if len(running) > pending:
+            concurrent.futures.wait(running[:len(running) - pending])
+
+    def raise_error(self):
+        """Raise the error of the oldest failed job, if one has finished with an error (once)."""
+        with self._lock:
+            failed = next((job for job in self._jobs if job.done() and job.exception()), None)
+            self._jobs = [job for job in self._jobs if not job.done()]
+        if failed is not None:
+            raise failed.exception()
+
+    def join(self):
+        """Wait for every job; raise the first error."""
+        self.wait()
+        self.raise_error()
+
+
+def _write_each(paths, chunks):
+    def write(out):
+        for chunk in chunks:
+            out.write(chunk)
+
+    for path in paths:
+        write_atomically(path, write)
+
+
+asynchronous_writer = AsynchronousWriter()
 
 
 # --- resuming ------------------------------------------------------------------------------

@@ -370,22 +370,115 @@ def test_full_disk_during_a_save(run_dir, toy_data_bin, tmp_path):
 
 @pytest.mark.slow
 def test_asynchronous_writes_save_the_synchronous_checkpoints(run_dir, toy_data_bin, tmp_path):
-    """--write-checkpoints-asynchronously (ioPath's writer thread): every checkpoint reads and
-    holds the parameters the synchronous run saved at that update. fairseq 0.12 torch.save-s into
-    ioPath's unseekable file, which with torch 2.13 left no checkpoint readable."""
+    """--write-checkpoints-asynchronously: the same files as a synchronous run, checkpoint_last.pt
+    included, each readable and holding the parameters the synchronous run saved. fairseq 0.12
+    torch.save-s into ioPath's unseekable file, which with torch 2.13 left no checkpoint readable,
+    and writes only the first file of each save: no checkpoint_last.pt, so a rerun started at
+    update 0."""
     save = tmp_path / "ckpt"
     output = run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update",
                                RUN_UPDATES, "--save-interval-updates", SAVE_EVERY,
                                "--no-epoch-checkpoints", "--write-checkpoints-asynchronously"))
     assert "ioPath PathManager finished waiting." in output
-    names = [f"checkpoint_1_{n}.pt" for n in range(SAVE_EVERY, RUN_UPDATES + 1, SAVE_EVERY)]
-    # in this mode fairseq writes the first file of a save only (it warns that it copies none)
-    assert sorted(p.name for p in save.iterdir()) == sorted(names)
+    assert "ioPath is not copying" not in output
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert "checkpoint_last.pt" in names
+    assert sorted(p.name for p in save.iterdir()) == names  # no temporary file left either
     for name in names:
         actual, updates = load_model_state(save / name)
         expected, expected_updates = load_model_state(run_dir / name)
         assert updates == expected_updates
         assert_same_tensors(actual, expected)
+
+
+def test_asynchronous_write_goes_through_a_temporary_file(tmp_path, monkeypatch):
+    """The background write is a temporary file renamed onto the checkpoint's name once complete:
+    while it is being written the name does not exist (ioPath's own writer opened the final name,
+    so a kill left it cut short), and the training thread does not wait for it."""
+    import threading
+
+    from fairseq import checkpoint_utils
+    from fairseq.file_io import PathManager
+
+    from multipath_nmt import atomic_files
+
+    path = tmp_path / "checkpoint_1_4.pt"
+    state = {"model": {"w": torch.arange(1000.0)}}
+    started, release = threading.Event(), threading.Event()
+    fsync = os.fsync
+
+    def slow_fsync(fd):  # the writer thread, after the bytes, before the rename
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            assert release.wait(30)
+        fsync(fd)
+
+    monkeypatch.setattr(atomic_files.os, "fsync", slow_fsync)
+    checkpoint_utils.torch_persistent_save(state, str(path), async_write=True)  # returns at once
+    assert started.wait(30)
+    try:
+        assert not path.exists()
+        [tmp] = tmp_path.glob("checkpoint_1_4.pt.*.tmp")
+        assert tmp.stat().st_size > 0
+    finally:
+        release.set()
+    PathManager.async_close()
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_1_4.pt"]
+    assert torch.equal(torch.load(path)["model"]["w"], state["model"]["w"])
+
+
+def test_asynchronous_write_error_is_raised_in_the_training_process(tmp_path, monkeypatch):
+    """A write that fails in the background thread is raised, as one CheckpointSaveError line, by
+    the next save and by the wait at the end (fairseq-train's PathManager.async_close); with
+    ioPath it killed the writer thread and training never heard of it."""
+    from fairseq import checkpoint_utils
+    from fairseq.file_io import PathManager
+
+    from multipath_nmt import atomic_files
+
+    def full_disk(path, write):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic_files, "write_atomically", full_disk)
+    first = tmp_path / "checkpoint_1_4.pt"
+    checkpoint_utils.torch_persistent_save({"x": 1}, str(first), async_write=True)
+    message = (rf"{re.escape(str(first))}: could not be written \(No space left on device, errno 28\); "
+               r"the partial file was removed and the checkpoints saved before are unchanged")
+    checkpoints.asynchronous_writer.wait()
+    with pytest.raises(checkpoints.CheckpointSaveError, match=message):  # the next save
+        checkpoint_utils.torch_persistent_save({"x": 2}, str(tmp_path / "checkpoint_1_8.pt"),
+                                               async_write=True)
+    checkpoint_utils.torch_persistent_save({"x": 3}, str(tmp_path / "checkpoint_1_12.pt"),
+                                           async_write=True)
+    with pytest.raises(checkpoints.CheckpointSaveError, match="checkpoint_1_12.pt: could not be written"):
+        PathManager.async_close()  # the end of training
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_full_disk_during_an_asynchronous_save(run_dir, toy_data_bin, tmp_path):
+    """As test_full_disk_during_a_save, with --write-checkpoints-asynchronously: the error of the
+    background write stops the run with one line (with ioPath it was a traceback in its thread
+    and the run went on, exit 0), the partial file is removed, earlier checkpoints unchanged."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(run_dir, save)
+    before = {p.name: _digest(p) for p in save.iterdir()}
+    limit = os.path.getsize(save / "checkpoint_last.pt") // 2
+    command = train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 20,
+                            "--save-interval-updates", SAVE_EVERY, "--no-epoch-checkpoints",
+                            "--write-checkpoints-asynchronously")
+    proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300,
+                          preexec_fn=_file_size_limit(limit))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    # checkpoint_last.pt is the first file of each background save
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {save / 'checkpoint_last.pt'}: could not be written (File too large, errno 27); "
+        "the partial file was removed and the checkpoints saved before are unchanged. Free disk space (or "
+        "keep fewer checkpoints: --keep-last-epochs, --keep-interval-updates) or raise the file-size limit "
+        "(ulimit -f) and run the same command again")
+    assert {p.name: _digest(p) for p in save.iterdir()} == before
+    for name in before:
+        read_checkpoint(save / name)
 
 
 def test_save_atomically_failure_keeps_the_old_file(tmp_path, monkeypatch):

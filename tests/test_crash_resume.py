@@ -54,6 +54,35 @@ def test_sigkill_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_
     assert_same_tensors(actual, expected)
 
 
+@pytest.mark.slow
+def test_sigkill_with_asynchronous_writes_resumes_from_the_last_complete_save(toy_data_bin, tmp_path):
+    """--write-checkpoints-asynchronously, then kill -9: the rerun resumes from the last save that
+    completed and ends where an uninterrupted run ends. fairseq 0.12 wrote only the first file
+    of each save in this mode (checkpoint_1_4.pt, ...), never checkpoint_last.pt: the rerun
+    started at update 0 with those files on disk."""
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run, train_command(toy_data_bin, tmp_path / "uninterrupted",
+                                                   "baseline", *FLAGS))
+        command = train_command(toy_data_bin, tmp_path / "killed", "baseline", *FLAGS,
+                                "--write-checkpoints-asynchronously")
+        # two updates after the save at 4 logged "Saved checkpoint": its background write, a few
+        # milliseconds, is done by then
+        run_until_killed(command, SAVE_EVERY + 3)
+        killed = tmp_path / "killed"
+        _, saved = load_model_state(killed / "checkpoint_last.pt")
+        assert saved % SAVE_EVERY == 0 and 0 < saved < MAX_UPDATE
+        # every complete save of the killed run is at most as new as checkpoint_last.pt
+        assert all(load_model_state(p)[1] <= saved for p in killed.glob("checkpoint_*_*.pt"))
+
+        resumed = run(command)
+        reference.result()
+    assert f"Loaded checkpoint {killed / 'checkpoint_last.pt'} (epoch 1 @ {saved} updates)" in resumed
+    expected, expected_updates = load_model_state(tmp_path / "uninterrupted" / "checkpoint_last.pt")
+    actual, actual_updates = load_model_state(killed / "checkpoint_last.pt")
+    assert actual_updates == expected_updates == MAX_UPDATE
+    assert_same_tensors(actual, expected)
+
+
 # The toy corpus makes 38 batches of SMALL_BATCHES per epoch: epoch 2 runs from update 39 to 76.
 EPOCH_1_UPDATES = 38
 LATER_MAX_UPDATE = 56

@@ -11,8 +11,23 @@
   With ``--write-checkpoints-asynchronously`` fairseq ``torch.save``-s straight into ioPath's
   asynchronous file, which cannot seek: with torch 2.13 and iopath 0.1.10 every such checkpoint
   is a zip archive without its central directory, unreadable. Here the checkpoint is serialized
-  into memory first and its bytes go through the asynchronous writer (one more copy of the
+  into memory first and its bytes go through ``PathManager.opena`` (one more copy of the
   checkpoint in host memory until it is written).
+* ``PathManager.opena(path, "wb")`` of a local path: ioPath opens ``path`` itself (a kill leaves
+  it cut short) and a write error kills its thread, logged there and never seen by training. It
+  returns a file whose bytes :data:`multipath_nmt.checkpoints.asynchronous_writer` (one
+  background thread) writes through a temporary file renamed onto ``path``; an error is raised in
+  the training process at the next save or when the writes are awaited.
+* ``checkpoint_utils.save_checkpoint`` with ``--write-checkpoints-asynchronously`` (local save
+  dir): fairseq writes only the first file of a save and copies nothing ("ioPath is not copying
+  ..."), so no ``checkpoint_last.pt`` is ever written and a rerun starts at update 0. Once the
+  first file's bytes are queued, fairseq is let take its synchronous course for the copies
+  (``checkpoint_last.pt``, best, epoch files, as a synchronous save), and each copy is written in
+  the background from the same bytes, ``checkpoint_last.pt`` first. A save waits while two
+  earlier ones are still unwritten (at most two checkpoints in memory).
+* ``PathManager.async_close`` (fairseq-train's wait at its end, and the SIGTERM stop's) also
+  waits for those writes and raises their error; at exit, an error nobody awaited is one line on
+  stderr.
 * ``PathManager.copy``: fairseq saves a checkpoint atomically but *copies* it in place to
   ``checkpoint_last.pt`` (and the best/epoch copies), so a kill during the copy leaves an
   unloadable file. Local copies go through a temporary file and ``os.replace``.
@@ -32,6 +47,7 @@
 * ``sys.excepthook``: an uncaught ``CheckpointError`` is printed as one line without a traceback
   (the process still exits with status 1).
 """
+import atexit
 import functools
 import inspect
 import io
@@ -42,9 +58,10 @@ import sys
 import torch
 
 from multipath_nmt import checkpoints
-from multipath_nmt.checkpoints import (CheckpointError, check_dictionaries, newest_readable,
-                                       peek_checkpoint, proven_damage, read_checkpoint,
-                                       save_atomically, saved_at, write_atomically)
+from multipath_nmt.checkpoints import (CheckpointError, asynchronous_writer, check_dictionaries,
+                                       newest_readable, peek_checkpoint, proven_damage,
+                                       read_checkpoint, save_atomically, saved_at,
+                                       write_atomically)
 from multipath_nmt.fairseq_patches.wrapping import one_line_excepthook, wrap
 
 # The resume warnings keep the logger name users know them by (docs/troubleshooting.md).
@@ -74,7 +91,7 @@ def _persistent_save(original):
 
 def write_asynchronously(obj, filename):
     """fairseq's own save (``_torch_persistent_save``) into memory, then those bytes through
-    ioPath's asynchronous writer."""
+    ``PathManager.opena`` (for a local file, :func:`_atomic_asynchronous_opena`'s file)."""
     from fairseq import checkpoint_utils
     from fairseq.file_io import PathManager
 
@@ -102,9 +119,135 @@ def _atomic_local_copy(copy):
     def copy_through_a_temporary_file(src_path, dst_path, overwrite=False):
         if "://" in src_path or "://" in dst_path:  # remote storage: leave it to iopath
             return copy(src_path, dst_path, overwrite)
+        save = _saving.current
+        if save is not None and save.is_first(src_path):
+            # the source is still being written in the background: the copy is written from
+            # the same bytes, after it
+            if not overwrite and os.path.exists(dst_path):
+                return False
+            save.paths.append(dst_path)
+            return True
         return atomic_copy(src_path, dst_path, overwrite)
 
     return copy_through_a_temporary_file
+
+
+# --- asynchronous saves ----------------------------------------------------------------------
+
+class _Save:
+    """One ``save_checkpoint`` call with ``--write-checkpoints-asynchronously``: the bytes of its
+    first file and every path fairseq copies that file to, written as one background job."""
+
+    def __init__(self, cfg):
+        self.cfg, self.paths, self.chunks = cfg, [], None
+
+    def is_first(self, path):
+        return bool(self.paths) and os.path.abspath(path) == os.path.abspath(self.paths[0])
+
+    def submit(self):
+        # checkpoint_last*.pt first: a kill during the job then leaves the newest save the one a
+        # resume reads
+        last = [p for p in self.paths if os.path.basename(p).startswith("checkpoint_last")]
+        asynchronous_writer.submit(last + [p for p in self.paths if p not in last], self.chunks)
+
+
+class _Saving:
+    current = None  # the _Save in progress (saves run on the training thread only)
+
+
+_saving = _Saving()
+
+
+class _AtomicAsynchronousFile(io.RawIOBase):
+    """What ``PathManager.opena(path, "wb")`` returns for a local path: the bytes written are kept
+    (by reference) and, once closed, written by the background writer to a temporary file that is
+    renamed onto ``path``. ioPath's own asynchronous file opens ``path`` itself (a kill leaves it
+    cut short) and loses a write error in its thread."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path, self._chunks = str(path), []
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self._chunks.append(b)
+        return memoryview(b).nbytes
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:  # an incomplete checkpoint is not written at all
+            self._chunks = None
+        return super().__exit__(exc_type, exc, tb)
+
+    def close(self):
+        if not self.closed and self._chunks is not None:
+            _written_in_the_background(self.path, self._chunks)
+        super().close()
+
+
+def _written_in_the_background(path, chunks):
+    save = _saving.current
+    if save is None or save.chunks is not None:  # not fairseq's save_checkpoint: one file
+        asynchronous_writer.submit([path], chunks)
+        return
+    save.paths, save.chunks = [path], chunks
+    # fairseq's save_checkpoint copies the first file to checkpoint_last.pt (and the best and
+    # epoch files) only when writes are synchronous ("ioPath is not copying ..."); from here on
+    # it takes that course, and the copies join this save's job (_atomic_local_copy)
+    save.cfg.write_checkpoints_asynchronously = False
+
+
+def _atomic_asynchronous_opena(opena):
+    @functools.wraps(opena)
+    def opena_through_a_temporary_file(path, mode="r", *args, **kwargs):
+        if mode != "wb" or "://" in str(path):
+            return opena(path, mode, *args, **kwargs)
+        return _AtomicAsynchronousFile(path)
+
+    return opena_through_a_temporary_file
+
+
+def _copies_written_asynchronously(save_checkpoint):
+    @functools.wraps(save_checkpoint)
+    def save_checkpoint_in_the_background(cfg, trainer, epoch_itr, val_loss):
+        if not cfg.write_checkpoints_asynchronously or "://" in str(cfg.save_dir):
+            return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
+        asynchronous_writer.raise_error()  # an earlier save failed: stop here, in training
+        asynchronous_writer.wait(pending=1)  # at most one save queued behind the one written
+        save = _saving.current = _Save(cfg)
+        try:
+            result = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
+        finally:
+            _saving.current = None
+            cfg.write_checkpoints_asynchronously = True
+        if save.chunks is not None:
+            save.submit()
+        return result
+
+    return save_checkpoint_in_the_background
+
+
+def _awaiting_the_checkpoint_writes(async_close):
+    @functools.wraps(async_close)
+    def async_close_after_the_checkpoint_writes():
+        try:
+            asynchronous_writer.wait()
+        finally:
+            result = async_close()
+        asynchronous_writer.raise_error()
+        return result
+
+    return async_close_after_the_checkpoint_writes
+
+
+def _report_a_lost_write_error():
+    """At exit, an error of a background write that nobody awaited (the process is ending on
+    another error): one line on stderr, not silence."""
+    try:
+        asynchronous_writer.join()
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
 
 
 # --- resuming ------------------------------------------------------------------------------
@@ -219,7 +362,16 @@ def install():
     wrap(checkpoint_utils, "load_checkpoint_to_cpu", _reader)
     wrap(checkpoint_utils, "torch_persistent_save", _persistent_save)
     wrap(PathManager, "copy", _atomic_local_copy)
+    wrap(PathManager, "opena", _atomic_asynchronous_opena)
+    wrap(PathManager, "async_close", _awaiting_the_checkpoint_writes)
+    wrap(checkpoint_utils, "save_checkpoint", _copies_written_asynchronously)
     wrap(checkpoint_utils, "load_checkpoint", _resume_from_readable)
     wrap(checkpoint_utils, "load_model_ensemble_and_task", _checking_ensemble_dictionaries)
     wrap(Trainer, "load_checkpoint", _checking_trainer_dictionaries)
     wrap(sys, "excepthook", _one_line_errors)
+    if _report_a_lost_write_error not in _atexit_registered:
+        atexit.register(_report_a_lost_write_error)
+        _atexit_registered.append(_report_a_lost_write_error)
+
+
+_atexit_registered = []
