@@ -21,7 +21,7 @@ Everything except the FFN sub-block of the chosen encoder layers is fairseq's ow
 """
 import logging
 
-from fairseq import checkpoint_utils, utils
+from fairseq import checkpoint_utils
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig, TransformerEncoder, TransformerModel
@@ -36,6 +36,7 @@ from multipath_nmt.models.routing_flags import (
     set_routing_defaults,
 )
 from multipath_nmt.models.transformer_baselines import transformer_prenorm_wmt_en_de
+from multipath_nmt.modules import get_activation_fn
 from multipath_nmt.modules.ewa import SCHEDULES, EarlyEWAMoE, EWAFeedForward, EWASchedule
 from multipath_nmt.modules.moe import (
     MoEFeedForward,
@@ -124,7 +125,7 @@ def check_args(args):
 
 def build_ffn(args, embed_dim, ffn_dim):
     """The replacement FFN module (input [T, B, d] and padding mask [B, T])."""
-    activation_fn = utils.get_activation_fn(activation=args.activation_fn)
+    activation_fn = get_activation_fn(args.activation_fn)
     activation_dropout = args.activation_dropout or getattr(args, "relu_dropout", 0) or 0
     if args.encoder_ffn == "moe":
         return MoEFeedForward(embed_dim, ffn_dim, args.moe_experts, args.moe_top_k,

@@ -12,10 +12,7 @@ Table 4 of the paper with flags (presets default to "+ Ours"):
   + More Features         --cheap-features
 """
 import logging
-from functools import partial
 
-import torch
-import torch.nn.functional as F
 from fairseq.distributed import fsdp_wrap
 from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.models import register_model, register_model_architecture
@@ -27,6 +24,7 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
+from multipath_nmt.modules import get_activation_fn
 from multipath_nmt.modules.multipath import (
     MultiPathAttention,
     MultiPathDecoderLayer,
@@ -38,27 +36,6 @@ logger = logging.getLogger(__name__)
 # (encoder layers, paths) of the multi-path systems of Table 2 / Table 3.
 PRESETS = ((6, 2), (12, 2), (6, 4), (12, 3), (6, 6), (24, 2), (12, 4), (6, 8))
 
-# The functions of fairseq's --activation-fn names in the multi-path layers: PyTorch's own, where
-# fairseq's utils.get_activation_fn (used by the other models) computes gelu in fp32 and
-# gelu_accurate by hand; these are what multi-path checkpoints were trained with.
-ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_accurate": partial(F.gelu, approximate="tanh"),
-    "gelu_fast": partial(F.gelu, approximate="tanh"),
-    "tanh": torch.tanh,
-    "swish": F.silu,
-    "linear": lambda x: x,
-}
-
-
-def activation_function(name: str):
-    """The activation called ``name`` (fairseq's --activation-fn names)."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
-
-
 def _path_options(args):
     return dict(
         path_norm=not args.no_path_norm,
@@ -68,7 +45,7 @@ def _path_options(args):
         attention_dropout=args.attention_dropout,
         # fairseq falls back to --relu-dropout when --activation-dropout is 0.
         activation_dropout=args.activation_dropout or getattr(args, "relu_dropout", 0) or 0.0,
-        activation_fn=activation_function(args.activation_fn),
+        activation_fn=get_activation_fn(args.activation_fn),
     )
 
 

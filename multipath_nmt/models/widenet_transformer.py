@@ -17,7 +17,6 @@ applies at inference only with ``--moe-capacity-at-inference``.
 """
 import copy
 
-from fairseq import utils
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
     TransformerEncoder,
@@ -28,6 +27,7 @@ from fairseq.models.transformer import (
 from fairseq.modules import MultiheadAttention
 
 from multipath_nmt.models.routing_flags import add_routing_args, set_routing_defaults
+from multipath_nmt.modules import get_activation_fn
 from multipath_nmt.modules.moe import (
     MoEFeedForward,
     check_routing_config,
@@ -89,7 +89,7 @@ class WideNetEncoder(TransformerEncoder):
         layers = args.encoder_layers
         dim, ffn_dim = cfg.encoder.embed_dim, cfg.encoder.ffn_embed_dim
         copies = layers if args.no_share else 1
-        activation_fn = utils.get_activation_fn(cfg.activation_fn)
+        activation_fn = get_activation_fn(cfg.activation_fn)
         # as fairseq's encoder layer: --relu-dropout is the old name of --activation-dropout
         activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
         attentions = [MultiheadAttention(dim, cfg.encoder.attention_heads,
