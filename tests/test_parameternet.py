@@ -151,6 +151,35 @@ def test_router_widths_and_noise_are_the_papers():
     # the language models' router: one linear layer (hidden size -> experts), no noise mentioned
     routed = ParameterNetFeedForward(8, 16, 3, proj="up", mode="routed")
     assert routed.fc1.router.weight.shape == (3, 8) and routed.fc1.router.noise is False
+    # Sec. 5.4: the router's input channel is the hidden size, for the down projection too
+    # (whose own input is the FFN width, 16 here)
+    for proj in ("down", "both"):
+        ffn = ParameterNetFeedForward(8, 16, 3, proj=proj, mode="routed")
+        assert ffn.fc2.router.weight.shape == (3, 8)
+
+
+def test_routed_down_projection_routes_on_the_ffn_input():
+    torch.manual_seed(0)
+    ffn = ParameterNetFeedForward(8, 16, 3, proj="down", mode="routed").eval()
+    ffn.fc2.router.capacity_at_inference = False  # no token dropped: every one compared
+    x, padding = _batch()
+    out = ffn(x, padding)
+    tokens, valid = x.reshape(-1, 8), ~padding.t().reshape(-1)
+    hidden = F.relu(ffn.fc1(tokens))
+    gate, choice = torch.softmax(tokens @ ffn.fc2.router.weight.t(), -1).max(-1)
+    reference = gate.unsqueeze(1) * (
+        torch.einsum("sf,sfo->so", hidden, ffn.fc2.weight[choice]) + ffn.fc2.bias[choice])
+    assert torch.allclose(out.reshape(-1, 8)[valid], reference[valid], atol=1e-5)
+
+
+def test_text_models_default_to_the_papers_language_method():
+    from argparse import Namespace
+
+    from multipath_nmt.models.moe_transformer import moe_transformer
+
+    args = Namespace(encoder_ffn="parameternet")
+    moe_transformer(args)
+    assert (args.parameternet_mode, args.parameternet_proj) == ("routed", "up")
 
 
 @pytest.mark.parametrize("mode, proj", [("routed", "up"), ("dynamic", "both")])

@@ -15,9 +15,9 @@ Everything except the FFN sub-block of the chosen encoder layers is fairseq's ow
   cannot be folded into a dense FFN). ``--arch ewa_early_transformer_wmt_en_de`` has the paper's
   early-EWA defaults: F = 0.5, a constant share rate, capacity factor 1.05, every other layer.
 - ``--encoder-ffn parameternet``: ParameterNet projections (Han et al., 2023) in every layer:
-  dynamic (the paper's vision models: per-sentence mixing of M matrices, on both projections by
-  our choice) or routed (the paper's language models: top-1 routing without router noise, on the
-  up projection by default).
+  routed by default (the paper's method for language models, Sec. 4.3 and 5.4: top-1 routing
+  without router noise, on the up projection, every router reading the hidden size), or dynamic
+  (its vision method: per-sentence mixing of M matrices, on both projections by our choice).
 """
 import logging
 
@@ -251,9 +251,10 @@ class MoETransformerModel(TransformerModel):
                                  "language models; up is best in its Table 7) and both in "
                                  "dynamic mode (our choice)")
         parser.add_argument("--parameternet-mode", choices=MODES,
-                            help="ParameterNet: routed (the paper's language models: a linear "
-                                 "top-1 router per token, no router noise, Switch balance loss "
-                                 "via the moe criterion) or dynamic (the paper's Eqs. 3-4: "
+                            help="ParameterNet: routed (the default; the paper's language "
+                                 "models: a linear top-1 router per token reading the hidden "
+                                 "size, no router noise, Switch balance loss via the moe "
+                                 "criterion) or dynamic (the paper's vision method, Eqs. 3-4: "
                                  "softmax(MLP(mean-pool(x)))-weighted sum per sentence, the MLP "
                                  "as wide as its input)")
         parser.add_argument("--parameternet-experts", type=int, metavar="M",
@@ -314,7 +315,9 @@ def moe_transformer(args):
     args.ewa_schedule = getattr(args, "ewa_schedule", "constant" if early_ewa else "linear")
     args.ewa_stop_at = getattr(args, "ewa_stop_at", None)
     args.ewa_init_from = getattr(args, "ewa_init_from", None)
-    args.parameternet_mode = getattr(args, "parameternet_mode", "dynamic")
+    # routed: the paper's method for its language models (Sec. 4.3, 5.4); dynamic mixing is its
+    # vision method
+    args.parameternet_mode = getattr(args, "parameternet_mode", "routed")
     args.parameternet_proj = getattr(args, "parameternet_proj",
                                      "up" if args.parameternet_mode == "routed" else "both")
     args.parameternet_experts = getattr(args, "parameternet_experts", 4)

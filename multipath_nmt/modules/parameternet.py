@@ -9,10 +9,12 @@ A chosen projection (fc1 "up", fc2 "down" or both) holds M weight matrices W_1..
   it), then one ordinary projection with W': about M times the parameters at nearly the same
   FLOPs in the paper's convolutions. Here every x W_i comes out of one large product and is
   weighted per token (:class:`_MixedProjection`), with no per-sentence W' to build or keep.
-- routed (Sec. 4.3, the language models): a top-1 routed mixture (Switch-style, no router noise):
-  each token's projection uses the matrix its router picks, scaled by the router probability,
-  with the MoE layer's capacity and balance loss; tokens over capacity are dropped and the whole
-  FFN outputs 0 for them (the residual carries them).
+- routed (Sec. 4.3 and 5.4, the language models): a top-1 routed mixture (Switch-style, no
+  router noise): each token's projection uses the matrix its router picks, scaled by the router
+  probability, with the MoE layer's capacity and balance loss; tokens over capacity are dropped
+  and the whole FFN outputs 0 for them (the residual carries them). Every router reads the FFN's
+  input, the model's hidden size (Sec. 5.4: the router's input channel is the hidden size), also
+  for the down projection, whose own input is the FFN width.
 
 Every module takes time-major x [T, B, d] and padding_mask [B, T] (True = padding) or None, like
 fairseq's encoder layers and :class:`multipath_nmt.modules.moe.MoEFeedForward`.
@@ -141,14 +143,17 @@ class DynamicLinear(nn.Module):
 
 
 class RoutedLinear(nn.Module):
-    """y = p_i(x) (x W_i + b_i) for the expert i = argmax_j p_j(x) of a top-1 router with capacity
-    and the Switch balance loss (:class:`~multipath_nmt.modules.moe.TopKRouter`, k = 1)."""
+    """y = p_i(r) (x W_i + b_i) for the expert i = argmax_j p_j(r) of a top-1 router with capacity
+    and the Switch balance loss (:class:`~multipath_nmt.modules.moe.TopKRouter`, k = 1). The
+    router reads r, ``route_input`` of :meth:`forward` ([T, B, router_features], the same tokens
+    as x), or x itself when none is given."""
 
     def __init__(self, in_features, out_features, num_experts, capacity_factor=1.2,
-                 router_noise=False):
+                 router_noise=False, router_features=None):
         super().__init__()
         self.num_experts = num_experts
-        self.router = TopKRouter(in_features, num_experts, k=1, capacity_factor=capacity_factor,
+        self.router = TopKRouter(in_features if router_features is None else router_features,
+                                 num_experts, k=1, capacity_factor=capacity_factor,
                                  noise=router_noise)
         # [E, in, out] (x @ W_i), like MoEFeedForward's experts: no transposed operand, so the
         # weight gradient comes out in the weight's own layout
@@ -156,11 +161,12 @@ class RoutedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts, out_features))
         init_experts_like_linear_(self.weight, self.bias, in_features)
 
-    def forward(self, x, padding_mask=None):
+    def forward(self, x, padding_mask=None, route_input=None):
         """Returns (y, kept): kept [T, B] bool marks the tokens the capacity let through;
         dropped and padding tokens get y = 0."""
         tokens = FlatTokens.of(x, padding_mask)
-        routing = self.router(tokens.rows, tokens.valid)
+        routed = tokens if route_input is None else FlatTokens.of(route_input, padding_mask)
+        routing = self.router(routed.rows, tokens.valid)
         expert_input = routing.dispatch(tokens.rows)
         expert_output = torch.baddbmm(self.bias.unsqueeze(1), expert_input, self.weight)
         y = routing.combine(expert_output)
@@ -175,9 +181,10 @@ class RoutedLinear(nn.Module):
 
 
 class ParameterNetFeedForward(nn.Module):
-    """fc1 -> activation -> dropout -> fc2 with the chosen projections made ParameterNet layers."""
+    """fc1 -> activation -> dropout -> fc2 with the chosen projections made ParameterNet layers.
+    Routed projections are routed on the FFN's input (``embed_dim`` wide, the hidden size)."""
 
-    def __init__(self, embed_dim, ffn_dim, num_experts, proj="both", mode="dynamic",
+    def __init__(self, embed_dim, ffn_dim, num_experts, proj="up", mode="routed",
                  activation_fn=F.relu, activation_dropout=0.0, capacity_factor=1.2,
                  router_noise=False):
         super().__init__()
@@ -196,13 +203,14 @@ class ParameterNetFeedForward(nn.Module):
             if mode == "dynamic":
                 return DynamicLinear(in_features, out_features, num_experts)
             return RoutedLinear(in_features, out_features, num_experts, capacity_factor,
-                                router_noise)
+                                router_noise, router_features=embed_dim)
 
         self.fc1 = build(embed_dim, ffn_dim, proj in ("up", "both"))
         self.fc2 = build(ffn_dim, embed_dim, proj in ("down", "both"))
 
-    def _project(self, layer, x, padding_mask, kept):
-        """Apply one projection; ``kept`` [T, B]: tokens not yet dropped by a routed projection."""
+    def _project(self, layer, x, padding_mask, kept, route_input):
+        """Apply one projection; ``kept`` [T, B]: tokens not yet dropped by a routed projection;
+        ``route_input``: what a routed projection's router reads (the FFN's input)."""
         if isinstance(layer, nn.Linear):
             return layer(x), kept
         if isinstance(layer, DynamicLinear):
@@ -210,12 +218,12 @@ class ParameterNetFeedForward(nn.Module):
         if kept is not None:
             # a token dropped by fc1 must not take a place in fc2's expert capacity
             padding_mask = ~kept.t() if padding_mask is None else padding_mask | ~kept.t()
-        return layer(x, padding_mask)
+        return layer(x, padding_mask, route_input)
 
     def forward(self, x, padding_mask=None):
-        hidden, kept = self._project(self.fc1, x, padding_mask, None)
+        hidden, kept = self._project(self.fc1, x, padding_mask, None, x)
         hidden = self.activation_dropout(self.activation_fn(hidden))
-        out, kept = self._project(self.fc2, hidden, padding_mask, kept)
+        out, kept = self._project(self.fc2, hidden, padding_mask, kept, x)
         if kept is not None:
             out = out * kept.unsqueeze(-1).to(out.dtype)
         return out
