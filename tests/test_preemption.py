@@ -7,17 +7,22 @@ SIGINT, and saves nothing. The runs below save no checkpoint of their own betwee
 (``--no-epoch-checkpoints``, no ``--save-interval-updates``), so whatever the resume starts from
 was saved because of the signal.
 """
+import json
 import random
+import re
 import signal
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from conftest import clean_env
 from helpers.signals import run_and_signal
-from helpers.training import (SMALL_BATCHES, assert_ranks_identical, assert_same_final_model,
-                              comparable_command, load_model_state, run, train_command)
+from helpers.training import (DUMP_RANKS, SMALL_BATCHES, assert_ranks_identical,
+                              assert_same_final_model, comparable_command, load_model_state, run,
+                              train_command)
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +147,57 @@ def test_asynchronous_writes_are_awaited_before_the_exit(ranks, toy_data_bin, tm
         _stopped_at(output, save, signal.SIGTERM, code)
     else:
         _ranks_stopped_at(output, save, code)
+
+
+def test_the_stop_names_the_files_it_wrote(toy_data_bin, tmp_path):
+    """--write-checkpoints-asynchronously --save-interval-updates 1: fairseq has just saved the
+    update the signal stops after, so the stop saves nothing more; its line names the files
+    that save wrote (checkpoint_1_N.pt, and checkpoint_last.pt written from the same bytes), each
+    complete and at that update. It used to name a checkpoint_last.pt that had not been written
+    (fairseq's asynchronous mode copied nothing)."""
+    save = tmp_path / "stopped"
+    command = train_command(toy_data_bin, save, "baseline", *FLAGS, "--save-interval-updates", 1,
+                            "--keep-interval-updates", 2, "--write-checkpoints-asynchronously")
+    code, output = run_and_signal(command, 4, signal.SIGTERM)
+    assert code == 143 and "Traceback" not in output, output[-4000:]
+    [line] = [line for line in output.splitlines() if "| SIGTERM: stopped after update" in line]
+    updates = int(re.search(r"stopped after update (\d+) ", line).group(1))
+    assert line.endswith(f"saved {save / f'checkpoint_1_{updates}.pt'} and {save / 'checkpoint_last.pt'} "
+                         "for an exact resume (run the same command); exiting with status 143")
+    for name in (f"checkpoint_1_{updates}.pt", "checkpoint_last.pt"):
+        assert load_model_state(save / name)[1] == updates
+
+
+COUNT_SYNCS = Path(__file__).parent / "helpers" / "count_host_syncs_per_update.py"
+
+
+def _syncs_per_update(toy_data_bin, save_dir, patches):
+    command = comparable_command(toy_data_bin, save_dir, "baseline", *SMALL_BATCHES,
+                                 "--max-update", 6, "--no-epoch-checkpoints", "--no-save", ranks=2)
+    command[command.index(str(DUMP_RANKS))] = str(COUNT_SYNCS)
+    run(command, timeout=TORCHRUN_TIMEOUT, env=clean_env(MULTIPATH_NMT_PATCHES=patches))
+    return [json.loads((save_dir / f"host-syncs-rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_the_stop_decision_adds_no_host_sync_per_update(toy_data_bin, tmp_path):
+    """Two ranks: every update makes exactly the host syncs it makes without the preemption patch
+    (MULTIPATH_NMT_PATCHES=-preemption), counted by HostSyncCounter over train_step and
+    validate_and_save. The flag rides in fairseq's own all-reduce of its statistics; the patch
+    used to add a host-to-device copy, a collective and an .item() per update on every rank.
+    That one rank's signal still stops both after the same update:
+    test_two_ranks_stop_after_the_same_update_when_one_is_signalled."""
+    patched = _syncs_per_update(toy_data_bin, tmp_path / "patched", "on")
+    stock = _syncs_per_update(toy_data_bin, tmp_path / "without", "-preemption")
+    for rank in (0, 1):
+        assert sorted(patched[rank], key=int) == [str(n) for n in range(1, 7)]
+        assert {u: c["total"] for u, c in patched[rank].items()} == \
+            {u: c["total"] for u, c in stock[rank].items()}, (patched[rank], stock[rank])
+        for update, counts in patched[rank].items():
+            moved = Counter(counts["by_site"])
+            moved.subtract(stock[rank][update]["by_site"])
+            moved = {site: n for site, n in moved.items() if n}
+            # the patch's one read of the summed statistics replaces fairseq's read of the
+            # sample size in train_step (``sample_size or 1.0``), which now gets a number
+            assert sorted(moved.values()) == [-1, 1], moved
+            assert [site for site, n in moved.items() if n > 0][0].split(":")[0].endswith(
+                "preemption.py") and "fairseq/trainer.py" in min(moved, key=moved.get), moved

@@ -11,17 +11,26 @@ and SLURM, Kubernetes and cloud schedulers send SIGTERM (or a chosen signal, ``s
   handlers are installed. A handler only records the signal and logs one line; nothing is
   interrupted. A second signal is logged and ignored (SIGKILL still stops the process at once;
   every checkpoint write is atomic, so even that leaves the files on disk whole).
+* ``Trainer._aggregate_logging_outputs`` inside ``Trainer.train_step`` (the all-reduce fairseq
+  already makes of each update's statistics when there are several ranks): each rank adds one
+  count per signal to the numbers summed, so the ranks learn whether any of them was signalled
+  with no collective, host-to-device copy or read of their own. The summed statistics are read
+  from the device in one copy and handed to fairseq as Python numbers, as with one process:
+  fairseq's next line reads the sample size anyway (``sample_size or 1.0``), so the per-update
+  host syncs stay what they are without this patch (tests/test_preemption.py counts them with
+  ``HostSyncCounter``). With BMUF, statistics (and so the flag) are summed only on its sync
+  updates: the stop waits for the next one.
 * ``fairseq_cli.train.validate_and_save`` (called by every rank after every update, with or
-  without a save): afterwards, the ranks agree whether any of them was signalled (one
-  ``all_reduce`` of the largest signal number; a local flag with one process), so that all stop
-  after the same update. Unless fairseq has just saved this update anyway, every rank calls
-  ``checkpoint_utils.save_checkpoint`` (rank 0 writes ``checkpoint_last.pt`` through the atomic
-  writer, with the epoch iterator's position: the resume continues mid-epoch, bit-exactly on the
-  CPU; with ``--write-checkpoints-asynchronously`` ioPath's writes are awaited, as fairseq-train
-  does at its end), the ranks wait for the write, one line is logged, and the process exits with
-  status 128 + signal number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT). A signal that
-  arrives with the last update (``--max-update`` reached, early stop) changes nothing: the run
-  ends as it would have, status 0.
+  without a save): afterwards, if the ranks agreed on a signal at this update (one process: its
+  own flag), all stop after the same update. Unless fairseq has just saved this update anyway,
+  every rank calls ``checkpoint_utils.save_checkpoint`` (rank 0 writes ``checkpoint_last.pt``
+  through the atomic writer, with the epoch iterator's position: the resume continues
+  mid-epoch, bit-exactly on the CPU; with ``--write-checkpoints-asynchronously`` the background
+  writes are awaited and their error raised, as fairseq-train does at its end), the ranks wait
+  for the write (one collective, at the stop only), one line names the files this process wrote
+  (nothing else), and the process exits with status 128 + signal number (143 for SIGTERM, 138 for
+  SIGUSR1, 130 for SIGINT). A signal that arrives with the last update (``--max-update``
+  reached, early stop) changes nothing: the run ends as it would have, status 0.
 * How a rank of a distributed run exits: torchrun SIGTERMs the other workers as soon as one exits
   non-zero. A rank that is then still in interpreter shutdown has had its handlers reset and dies
   of that SIGTERM (status -15), or aborts in the destructor of a gloo thread whose peer has gone
@@ -41,6 +50,9 @@ import os
 import signal
 import sys
 
+import torch
+
+from multipath_nmt.checkpoints import write_mark, written_since
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 logger = logging.getLogger(__name__)
@@ -58,7 +70,9 @@ def exit_code(signum):
 class _State:
     signum = None      # the first signal received by this process
     handlers_pid = None
-    saved_at = None    # (id(trainer), update) of the last save_checkpoint call
+    saved_at = None    # (id(trainer), update, write_mark() before it) of the last save_checkpoint
+    agreed = 0         # the signal the ranks agreed on when they last summed their statistics
+    in_train_step = False
 
 
 _state = _State()
@@ -102,22 +116,66 @@ def _installing_handlers(train):
 
 
 def _agreed_signal(trainer):
-    """The largest signal number any rank has received (0 for none); every rank calls this after
-    the same update."""
-    signum = int(_state.signum or 0)
+    """The largest signal number any rank had received when the ranks last summed their training
+    statistics (0 for none): every rank gets the same answer after the same update. One process
+    reads its own flag."""
     if trainer.data_parallel_world_size <= 1:
-        return signum
-    import torch
-    from fairseq.distributed import utils as distributed_utils
+        return int(_state.signum or 0)
+    signum, _state.agreed = _state.agreed, 0
+    return signum
 
-    flag = torch.tensor([signum], dtype=torch.long, device=trainer.device)
-    distributed_utils.all_reduce(flag, group=trainer.data_parallel_process_group, op="max")
-    return int(flag.item())
+
+# --- the flag rides on fairseq's own all-reduce of the training statistics -------------------
+
+def _in_train_step(train_step):
+    @functools.wraps(train_step)
+    def train_step_marked(self, *args, **kwargs):
+        outer, _state.in_train_step = _state.in_train_step, True
+        try:
+            return train_step(self, *args, **kwargs)
+        finally:
+            _state.in_train_step = outer
+
+    return train_step_marked
+
+
+def _host_values(values):
+    """``values`` (numbers, or one-element tensors reduced on the device) as Python floats, read
+    from the device in one copy."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if tensors:
+        read = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
+
+
+def _carrying_the_signal(aggregate):
+    @functools.wraps(aggregate)
+    def aggregate_logging_outputs(self, logging_outputs, *extra_stats_to_sum, ignore=False):
+        if not _state.in_train_step or self.tpu:
+            return aggregate(self, logging_outputs, *extra_stats_to_sum, ignore=ignore)
+        # one count per signal, summed with fairseq's own statistics (sample size, OOMs,
+        # training time): the same all-reduce, a few more numbers in its host-made buffer
+        flags = [float(_state.signum == signum) for signum in SIGNALS]
+        logging_outputs, stats = aggregate(self, logging_outputs, *extra_stats_to_sum, *flags,
+                                           ignore=ignore)
+        # The summed statistics are read from the device here in one copy, and fairseq gets them
+        # as Python numbers, as with one process: its next line reads the sample size anyway
+        # (``sample_size or 1.0``), so the copy replaces that read rather than adding one.
+        stats = _host_values(list(stats))
+        counts = stats[len(extra_stats_to_sum):]
+        _state.agreed = max((int(s) for s, n in zip(SIGNALS, counts) if n > 0), default=0)
+        return logging_outputs, stats[:len(extra_stats_to_sum)]
+
+    return aggregate_logging_outputs
 
 
 def _all_ranks_wait(trainer):
+    """Nobody leaves before rank 0 has written (one collective, at the stop only)."""
     if trainer.data_parallel_world_size > 1:
-        _agreed_signal(trainer)  # one more collective: nobody leaves before rank 0 has written
+        from fairseq.distributed import utils as distributed_utils
+
+        done = torch.zeros(1, device=trainer.device)
+        distributed_utils.all_reduce(done, group=trainer.data_parallel_process_group)
 
 
 def _exit(code, trainer):
@@ -127,6 +185,23 @@ def _exit(code, trainer):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _what_was_saved(cfg, trainer, written):
+    """What the log line says was saved: the files this process wrote, nothing else."""
+    last = os.path.abspath(os.path.join(cfg.checkpoint.save_dir,
+                                        f"checkpoint_last{trainer.checkpoint_suffix}.pt"))
+    if cfg.checkpoint.no_save:
+        return "nothing saved (--no-save)"
+    if not written:
+        if not trainer.should_save_checkpoint_on_current_rank:
+            return f"rank {trainer.data_parallel_rank} saves nothing (rank 0 saves)"
+        return "nothing saved"
+    others = ", ".join(path for path in written if path != last)
+    if last in written:
+        return (f"saved {others + ' and ' if others else ''}{last} for an exact resume (run the "
+                "same command)")
+    return f"saved {others}; checkpoint_last.pt not saved (--no-last-checkpoints)"
 
 
 def _stopping_on_signal(validate_and_save):
@@ -144,17 +219,15 @@ def _stopping_on_signal(validate_and_save):
             logger.info(f"{_name(signum)} received as training ends at update {updates}: the run "
                         "finishes as it would have")
             return valid_losses, should_stop
-        if _state.saved_at != (id(trainer), updates):
+        if _state.saved_at is not None and _state.saved_at[:2] == (id(trainer), updates):
+            mark = _state.saved_at[2]  # fairseq has just saved this update
+        else:
+            mark = write_mark()
             checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
         if cfg.checkpoint.write_checkpoints_asynchronously:
-            PathManager.async_close()  # else the exit cuts ioPath's writer off mid-file
+            PathManager.async_close()  # else the exit cuts the writer off mid-file
         _all_ranks_wait(trainer)
-        last = os.path.join(cfg.checkpoint.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
-        if cfg.checkpoint.no_save or cfg.checkpoint.no_last_checkpoints:
-            saved = ("nothing saved (--no-save)" if cfg.checkpoint.no_save
-                     else "checkpoint_last.pt not saved (--no-last-checkpoints)")
-        else:
-            saved = f"saved {last} for an exact resume (run the same command)"
+        saved = _what_was_saved(cfg, trainer, written_since(mark))
         code = exit_code(signum)
         logger.info(f"{_name(signum)}: stopped after update {updates} (epoch {epoch_itr.epoch}, "
                     f"batch {epoch_itr.iterations_in_epoch} of {len(epoch_itr)}); {saved}; exiting "
@@ -167,8 +240,9 @@ def _stopping_on_signal(validate_and_save):
 def _recording_saves(save_checkpoint):
     @functools.wraps(save_checkpoint)
     def save_checkpoint_recorded(cfg, trainer, epoch_itr, val_loss):
+        mark = write_mark()
         result = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
-        _state.saved_at = (id(trainer), trainer.get_num_updates())
+        _state.saved_at = (id(trainer), trainer.get_num_updates(), mark)
         return result
 
     return save_checkpoint_recorded
@@ -188,8 +262,11 @@ def _train_modules():
 
 def install():
     from fairseq import checkpoint_utils
+    from fairseq.trainer import Trainer
 
     wrap(checkpoint_utils, "save_checkpoint", _recording_saves)
+    wrap(Trainer, "train_step", _in_train_step)
+    wrap(Trainer, "_aggregate_logging_outputs", _carrying_the_signal)
     for module in _train_modules():
         wrap(module, "validate_and_save", _stopping_on_signal)
         wrap(module, "train", _installing_handlers)
