@@ -139,3 +139,33 @@ def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
     assert table[0].startswith("| row | dtype | tokens/s median [min-max] | vs anchor | MFU |")
     assert f"| {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP}, training tokens/s |" in report
     assert f"| kernel launches per update, {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP} |" in report
+
+
+@pytest.mark.slow
+def test_proxies_count_kernels_and_syncs_of_a_whole_update(tmp_path):
+    """``multipath-bench --proxies``: the CPU proxies of a GPU's pace, with targets 7 and 8."""
+    from multipath_nmt import benchmark
+
+    only = ["stock prenorm L", "stock deep 4L", "multi-path L x 4 (full)",
+            "multi-path L x 4 (+cheap features)", "ParameterNet (routed, both)"]
+    result = benchmark.run_proxies("tiny", only=only, log=lambda m: None)
+    systems = result["systems"]
+    L = benchmark.SIZES["tiny"]["base_layers"]
+    # fairseq reads whether the source has padding once per encoder layer and once in the
+    # decoder; the trainer's update adds its own reads (loss, sample size, gradient norm...)
+    assert systems["stock prenorm L"]["host_syncs"] == L + 1
+    assert systems["stock deep 4L"]["host_syncs"] == 4 * L + 1
+    trainer_reads = (systems["stock prenorm L"]["host_syncs_per_update"]
+                     - systems["stock prenorm L"]["host_syncs"])
+    for name in only:
+        row = systems[name]
+        # routed ParameterNet reads its routing statistics once per update, for the log
+        extra = 1 if name == "ParameterNet (routed, both)" else 0
+        assert row["host_syncs_per_update"] == row["host_syncs"] + trainer_reads + extra, name
+    assert systems["multi-path L x 4 (full)"]["kernel_launches_per_update"] < \
+        systems["stock deep 4L"]["kernel_launches_per_update"]
+    report = benchmark.write_proxies_report(result, str(tmp_path))
+    saved = json.loads((tmp_path / "proxies.json").read_text())
+    assert saved["commit"] and [t["target"] for t in saved["targets"]][:2] == [7, 7]
+    assert "| 7. kernel launches per update, multi-path L x 4 vs deep 4L |" in report
+    assert "| 8. host syncs per update, ParameterNet (routed, both), more than stock's" in report

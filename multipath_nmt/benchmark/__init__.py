@@ -30,8 +30,13 @@ same batches. One module per job, so that each measurement can be read, and chan
 ``multipath_nmt.cli.bench`` parses arguments and calls :func:`run`, :func:`write_reports` and
 :func:`markdown_report`, re-exported here with the line-up they take.
 """
-from multipath_nmt.benchmark.harness import run, run_compiled
-from multipath_nmt.benchmark.report import markdown_report, write_compiled_report, write_reports
+from multipath_nmt.benchmark.harness import run, run_compiled, run_proxies
+from multipath_nmt.benchmark.report import (
+    markdown_report,
+    write_compiled_report,
+    write_proxies_report,
+    write_reports,
+)
 from multipath_nmt.benchmark.systems import SIZES, systems_for
 
 __all__ = ["SIZES", "markdown_report", "run", "systems_for", "write_reports"]

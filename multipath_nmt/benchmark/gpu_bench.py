@@ -46,6 +46,7 @@ from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
 from multipath_nmt.benchmark.flops import training_flops_per_token
 from multipath_nmt.benchmark.gpu_check_setup import check_command, model_flags
 from multipath_nmt.benchmark.micro_batch import update_profile
+from multipath_nmt.benchmark.report import git_commit
 from multipath_nmt.benchmark.systems import System, build_trainer_from_argv, systems_for
 from multipath_nmt.benchmark.timing import ForwardBackwardClock, summary, time_update_windows
 from multipath_nmt.fairseq_patches.wrapping import patches_of
@@ -53,9 +54,9 @@ from multipath_nmt.fairseq_patches.wrapping import patches_of
 SIZES = {
     # the paper's base dimensions; ``budget_s``: rows are started while the run is younger
     "gpu": dict(dim=512, ffn=2048, heads=8, vocab=32000, base_layers=6, decoder_layers=6,
-                max_tokens=4096, mean_length=28, batches=16, warmup_updates=4, windows=5,
-                window_seconds=1.0, min_window_updates=3, beam_batches=6, beam_windows=3,
-                matmul_n=8192, budget_s=330, row_timeout_s=150),
+                max_tokens=4096, mean_length=28, batches=16, warmup_updates=4, windows=4,
+                window_seconds=0.8, min_window_updates=3, beam_batches=6, beam_windows=3,
+                matmul_n=8192, budget_s=300, row_timeout_s=120),
     # the same code on the CPU in seconds: the report's form (tests)
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
                  max_tokens=256, mean_length=12, batches=4, warmup_updates=1, windows=3,
@@ -272,7 +273,7 @@ def environment(device, commit=None):
 
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "fairseq": version("ve-fairseq") or version("fairseq"),
-            "cpu_cores": os.cpu_count(), "commit": commit or _git_commit()}
+            "cpu_cores": os.cpu_count(), "commit": commit or git_commit()}
     if device == "cuda":
         info.update(device=torch.cuda.get_device_name(),
                     gpus=torch.cuda.device_count(),
@@ -280,14 +281,6 @@ def environment(device, commit=None):
     else:
         info["device"] = f"CPU ({platform.processor() or platform.machine()})"
     return info
-
-
-def _git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _nvidia_driver():

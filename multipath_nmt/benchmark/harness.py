@@ -17,7 +17,7 @@ from multipath_nmt.benchmark.flops import (
 from multipath_nmt.benchmark.layers import layer_benchmarks
 from multipath_nmt.benchmark.memory import keep_freed_memory, peak_memory_of_step
 from multipath_nmt.benchmark.micro_batch import micro_batch_profile, update_profile
-from multipath_nmt.benchmark.report import machine_description
+from multipath_nmt.benchmark.report import git_commit, machine_description
 from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
 from multipath_nmt.benchmark.timing import (
     ForwardBackwardClock,
@@ -140,6 +140,30 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
     }
 
 
+def run_proxies(size_name="default", device="cpu", precision="fp32", only=None, log=print):
+    """``multipath-bench --proxies``: every system built and warmed up as :func:`run` builds it,
+    then only counted, not timed: its host syncs per micro-batch and the host syncs and kernel
+    launches of one whole update (the CPU proxies of a GPU's pace; counts, not times, so they
+    hold on a loaded machine)."""
+    size = SIZES[size_name]
+    systems = [s for s in systems_for(size) if not only or s.name in only]
+    results = {}
+    with fake_data_dir(size["vocab"]) as data:
+        for system in systems:
+            try:
+                _, row = _build_and_warm_up(system, data, size, device,
+                                            recipe.PRECISIONS[precision], False, set(),
+                                            timed=False)
+            except Exception as error:  # a failed system is a finding; count the others
+                row = _failed(system, error)
+            results[system.name] = row
+            log(f"{system.name}: {row.get('kernel_launches_per_update')} kernel launches, "
+                f"{row.get('host_syncs_per_update')} host syncs per update")
+    return {"size": size_name, "shape": size, "device": device, "precision": precision,
+            "machine": machine_description(device), "commit": git_commit(),
+            "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results}
+
+
 def _error_line(error):
     """The last line of an error's message, with its type: what a report row can show."""
     lines = str(error).strip().splitlines()
@@ -152,8 +176,10 @@ def _failed(system, error):
                 error=_error_line(error))
 
 
-def _build_and_warm_up(system, data, size, device, precision_flags, padded, gemm_shapes):
-    """A system's trainer built, profiled and warmed up: (what the timing loops need, its row)."""
+def _build_and_warm_up(system, data, size, device, precision_flags, padded, gemm_shapes,
+                       timed=True):
+    """A system's trainer built, profiled and warmed up: (what the timing loops need, its row).
+    ``timed=False``: the counts alone, no timing of its steps."""
     flags = [*fairseq_flags(size, system), *precision_flags]
     trainer, task = build_trainer(data, flags, device, False, system.loop_reference)
     if padded:
@@ -169,6 +195,8 @@ def _build_and_warm_up(system, data, size, device, precision_flags, padded, gemm
     for s in samples:  # warm-up: optimizer state, allocator, caches
         trainer.train_step([s])
     profile.update(update_profile(lambda: trainer.train_step([sample])))
+    if not timed:
+        return None, dict(arch=system.arch, flags=system.flags, group=system.group, **profile)
     steps = steps_per_measurement(
         size, sample["ntokens"] / time_train_steps(trainer, samples, 1, device))
     params = sum(p.numel() for p in trainer.model.parameters())

@@ -4,10 +4,21 @@ each written atomically."""
 import json
 import os
 import platform
+import subprocess
 
 import torch
 
 from multipath_nmt.atomic_files import write_atomically, write_text_atomically
+
+
+def git_commit():
+    """The commit of the checkout this package runs from, or None (an installed copy, a tree
+    without .git): what a result file records beside its command."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def machine_description(device):
@@ -58,27 +69,64 @@ def evaluate_targets(result):
     target(6, "beam search sentences/s, multi-path L x 4 vs deep 4L (same decoder and parameters)",
            _ratio(result, "multi-path L x 4 (full)", "stock deep 4L", "beam_sentences_per_s"),
            0.95)
-    # the CPU proxies of a GPU's pace: kernel launches and host syncs of one whole update
+    rows += proxy_targets(systems)
+    return rows
+
+
+def proxy_targets(systems):
+    """Targets 7 and 8, on the CPU proxies of a GPU's pace (the kernel launches and host syncs
+    of one whole update, counted on any device): rows as :func:`evaluate_targets`'s."""
+    rows = []
     launches = {name: row.get("kernel_launches_per_update") for name, row in systems.items()}
+
+    def target(number, text, value, threshold):
+        if value is not None:
+            rows.append(dict(target=number, text=text, value=value, threshold=threshold,
+                             met=value <= threshold))
 
     def launch_ratio(name, other):
         return (launches[name] / launches[other]
                 if launches.get(name) and launches.get(other) else None)
 
     target(7, "kernel launches per update, multi-path L x 4 vs deep 4L",
-           launch_ratio("multi-path L x 4 (full)", "stock deep 4L"), 1.0, higher_is_better=False)
+           launch_ratio("multi-path L x 4 (full)", "stock deep 4L"), 1.0)
     target(7, "kernel launches per update, cheap features vs the same model without them",
-           launch_ratio("multi-path L x 4 (+cheap features)", "multi-path L x 4 (full)"), 1.1,
-           higher_is_better=False)
-    stock_syncs = (stock or {}).get("host_syncs_per_update")
+           launch_ratio("multi-path L x 4 (+cheap features)", "multi-path L x 4 (full)"), 1.1)
+    stock = systems.get("stock prenorm L") or {}
+    stock_syncs = stock.get("host_syncs_per_update")
     for name, row in systems.items():
         # fairseq reads whether a batch has padding once per encoder layer: only the systems
         # with stock's L encoder layers can match its count
         if (stock_syncs is not None and "host_syncs_per_update" in row
                 and row["flags"][:1] == stock["flags"][:1] and name != "stock prenorm L"):
             target(8, f"host syncs per update, {name}, more than stock's {stock_syncs}",
-                   row["host_syncs_per_update"] - stock_syncs, 0, higher_is_better=False)
+                   row["host_syncs_per_update"] - stock_syncs, 0)
     return rows
+
+
+def proxies_markdown(result):
+    """``multipath-bench --proxies``: every system's kernel launches and host syncs per update,
+    and targets 7 and 8."""
+    lines = [f"Kernel launches and host syncs of one whole training update (forward, loss, "
+             f"backward, optimizer; `multipath_nmt/benchmark/kernels.py`, "
+             f"`multipath_nmt/host_syncs.py`), size `{result['size']}`, {result['device']}, "
+             f"{result['precision']}: `{result['command']}`", "",
+             "| group | system | kernel launches per update | vs stock | host syncs per update "
+             "| host syncs per micro-batch |", "|---|---|---|---|---|---|"]
+    stock = result["systems"].get("stock prenorm L", {}).get("kernel_launches_per_update")
+    for name, r in result["systems"].items():
+        if "error" in r:
+            lines.append(f"| {r['group']} | {name} | **failed: {r['error']}** | | | |")
+            continue
+        launches = r["kernel_launches_per_update"]
+        versus = f"{launches / stock:.2f}x" if stock else ""
+        lines.append(f"| {r['group']} | {name} | {launches:,} | {versus} | "
+                     f"{r['host_syncs_per_update']} | {r['host_syncs']} |")
+    lines += ["", "| target | measured | needed | met |", "|---|---|---|---|"]
+    for row in proxy_targets(result["systems"]):
+        lines.append(f"| {row['target']}. {row['text']} | {row['value']:.3f} | "
+                     f"<= {row['threshold']} | {'yes' if row['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
 
 
 def _spread(summary, fmt="{:.0f}"):
@@ -204,4 +252,15 @@ def write_compiled_report(result, out_dir):
              f"({result['machine']}), {result['precision']}, size {result['size']}, "
              f"{result['batches']}: `{result['command']}`\n\n{markdown(result['compiled'])}\n")
     write_text_atomically(os.path.join(out_dir, "compiled.md"), table)
+    return table
+
+
+def write_proxies_report(result, out_dir):
+    """A ``--proxies`` run's result, with its targets, as proxies.json and proxies.md in
+    ``out_dir``; returns the Markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    result = dict(result, targets=proxy_targets(result["systems"]))
+    write_text_atomically(os.path.join(out_dir, "proxies.json"), json.dumps(result, indent=1))
+    table = proxies_markdown(result)
+    write_text_atomically(os.path.join(out_dir, "proxies.md"), table)
     return table

@@ -34,6 +34,10 @@ def build_parser():
                              "and with fairseq-train's --compile-layers BACKEND (default "
                              "inductor) side by side, the compile time apart; writes "
                              "compiled.json and compiled.md")
+    parser.add_argument("--proxies", action="store_true",
+                        help="instead of the full report: count every system's kernel launches "
+                             "and host syncs per update (the CPU proxies of a GPU's pace; no "
+                             "timing, about a minute); writes proxies.json and proxies.md")
     parser.add_argument("--out", default="results/bench",
                         help="folder for bench.json, bench.md and bench.png")
     return parser
@@ -67,6 +71,12 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, force=True)  # fairseq and hydra are chatty
     warnings.filterwarnings("ignore", module="hydra")
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    if args.proxies:
+        result = benchmark.run_proxies(args.size, args.device, args.precision, args.only,
+                                       log=log)
+        print(benchmark.write_proxies_report(result, args.out))
+        print(f"wrote {args.out}/proxies.json, proxies.md", file=sys.stderr)
+        return
     if args.compiled:
         result = benchmark.run_compiled(args.size, args.device, args.precision, args.only,
                                         args.compiled, padded=args.padded or None, log=log)

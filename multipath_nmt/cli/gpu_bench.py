@@ -25,7 +25,7 @@ def build_parser():
                         help="the torch.compile backend of the --compile-layers rows")
     parser.add_argument("--budget-s", type=float,
                         help="start no row after this many seconds (default: the size's, "
-                             "330 s for 'gpu')")
+                             "300 s for 'gpu')")
     parser.add_argument("--commit", help="the commit measured, where the tree has no .git")
     return parser
 
