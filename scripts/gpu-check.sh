@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# The GPU check (docs/gpu.md): on one CUDA GPU, for every architecture family (stock transformer,
-# multi-path, WideNet, MoE, EWA, ParameterNet), training through the command scripts/train.sh runs
-# (recipe.train_command: --optimizer adam_fused, the recipe's lr and criterion, --update-freq 2,
-# and train.sh's precision: --precision auto is --amp --bf16 on GPUs with bfloat16, else --amp),
-# at the check's model size with a short --warmup-updates, 50 updates through fairseq's Trainer on
-# padded, length-varied batches: finite losses, a falling loss, loss scale and skipped updates,
-# synchronizing CUDA operations per update (torch.cuda.set_sync_debug_mode("warn")), peak memory,
-# tokens/s against stock fairseq, the same 50 updates in fp32 (same seed and batches: the last
-# losses' gap must be within 10% of fp32's loss fall), and beam search in fp16 against fp32 on the
-# same weights. Where 2 or more GPUs are visible, the recipe's fairseq-train command itself on 2
-# GPUs (DDP, 20 updates): its exit status and whether its loss fell. Each system's memory is
-# freed before the next, a failing system does not stop the others, and the time each took is
-# reported. Then multipath-bench --device cuda --precision (the same precision).
+# The GPU check (docs/gpu.md), on one CUDA GPU, in two legs:
+# - the per-family table: every architecture family (stock transformer, multi-path, WideNet, MoE,
+#   EWA, ParameterNet) trained in-process (fairseq's Trainer) from the command scripts/train.sh
+#   builds (recipe.train_command: --optimizer adam_fused, the recipe's lr and criterion, and
+#   train.sh's precision: --precision auto is --amp --bf16 on GPUs with bfloat16, else --amp; but
+#   --update-freq 2, not train.sh's 8 or 16 on one GPU), at the check's model size with a short
+#   --warmup-updates, 30 updates on padded, length-varied batches: finite losses, a falling loss,
+#   loss scale and skipped updates, synchronizing CUDA operations per update
+#   (torch.cuda.set_sync_debug_mode("warn")), peak memory, tokens/s against stock fairseq, the
+#   same updates in fp32 (same seed and batches: the last losses' gap must be within 10% of fp32's
+#   loss fall), and beam search in fp16 against fp32 on the same weights;
+# - the recipe leg: the fairseq-train command `scripts/train.sh --dry-run` prints for one GPU (its
+#   --update-freq and precision) run as fairseq-train itself for K updates with a save and a
+#   validation, then resumed from checkpoint_last.pt to 2K updates, in train.sh's precision and in
+#   fp32 (same rule for the gap); by default for stock and multi-path 6 x 4.
+# Where 2 or more GPUs are visible, the recipe's fairseq-train command on 2 GPUs (DDP, 20
+# updates): its exit status and whether its loss fell. Each system's memory is freed before the
+# next, a failing system does not stop the others, and the time each took is reported. Then
+# multipath-bench --device cuda --precision (the same precision).
 #   scripts/gpu-check.sh [--out DIR] [--data DATA_BIN] [--only SYSTEM ...] [--precision P]
+#                        [--no-table] [--no-recipe] [--recipe-systems SYSTEM ...|all]
 #                        [--no-ddp] [--no-bench]
 # Writes DIR/check.json and DIR/check.md (DIR: results/gpu-check), and DIR/bench/bench.{json,md,png}.
 # --data: a data-bin with a joined dictionary (batches from train, beam search on valid, the
-# 2-GPU runs on train); default: synthetic sentences of varied length. --no-bench skips
-# multipath-bench. Other arguments go to `python -m multipath_nmt.cli.gpu_check` (see its --help).
+# recipe leg and the 2-GPU runs on train and valid); default: synthetic sentences of varied
+# length. --no-bench skips multipath-bench. Other arguments go to `python -m
+# multipath_nmt.cli.gpu_check` (see its --help).
+# Time on one H200 of --no-bench --no-ddp (an estimate, not yet measured; gpu_check_setup.py
+# says how it is made): about 135 s for the table, 55 s for the recipe leg.
 # Exit status: 0 when every system passed, 3 when one failed to run or failed a check (check.md
 # says which and why), anything else when the check did not run. The last line says how long it
 # took. PYTHON selects the interpreter that has multipath_nmt installed (default: python).

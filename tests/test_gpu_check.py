@@ -265,6 +265,13 @@ def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
     assert re.search(r"gpu-check.sh: reports in .*; exit status 0; took \d+ s$", proc.stderr)
     assert f"Attention call sites of {gpu_check.STOCK}: " in report
     assert "| call site | phase | mask passed to SDPA | fused kernels it allows |" in report
+    # the recipe leg: its systems among --only, train.sh's fp32 command + the fp16 stand-in
+    leg = result["recipe"]
+    assert list(leg["systems"]) == [gpu_check.STOCK]
+    row = leg["systems"][gpu_check.STOCK]
+    assert row["failed_checks"] == [] and row["vs_fp32"]["passed"], row
+    assert row["precision_flags"] == ["--cpu", "--memory-efficient-fp16"]
+    assert "The recipe leg: the fairseq-train command that `scripts/train.sh --dry-run`" in report
 
 
 def test_the_check_trains_through_the_command_train_sh_runs(tmp_path):
@@ -479,3 +486,206 @@ def test_fairseq_train_leg_runs_the_recipes_command_as_two_gloo_processes():
     assert re.search(r"-m fairseq_cli\.train .* --optimizer adam_fused .* --update-freq 2 .* "
                      r"--amp --bf16 --cpu .* --distributed-world-size 2", leg["command"])
     assert "output_tail" not in leg
+
+
+# The recipe leg (multipath_nmt/benchmark/gpu_check_recipe.py): train.sh's own fairseq-train
+# command, run, saved, validated and resumed.
+
+from multipath_nmt.benchmark import gpu_check_recipe  # noqa: E402
+from multipath_nmt.cli import gpu_check as gpu_check_cli  # noqa: E402
+
+MULTI_PATH = "multi-path L x 4 (full)"
+
+
+def flag_tokens(words):
+    """A fairseq-train argv's flags after the data-bin: (flag, value or None) in order."""
+    tokens, index = [], 0
+    while index < len(words):
+        flag = words[index]
+        takes_value = index + 1 < len(words) and not words[index + 1].startswith("-")
+        tokens.append((flag, words[index + 1] if takes_value else None))
+        index += 2 if takes_value else 1
+    return tokens
+
+
+@pytest.mark.parametrize("gpus, update_freqs, precision_flags", [
+    (1, {gpu_check.STOCK: "8", MULTI_PATH: "16"}, ["--amp", "--bf16"]),
+    (0, {gpu_check.STOCK: "1", MULTI_PATH: "2"}, ["--amp", "--bf16", "--cpu"]),
+])
+def test_recipe_leg_runs_train_shs_dry_run_command_with_only_the_listed_changes(
+        gpus, update_freqs, precision_flags):
+    """What `scripts/train.sh --dry-run` prints for one GPU (a dry run needs none) or the CPU,
+    with only CHANGED_FLAGS' values, the data-bin and the appended model size changed: its
+    update-freq (8 and 16 on one GPU), precision flags, optimizer, lr and criterion kept."""
+    systems = [system_named(name) for name in update_freqs]
+    with fake_data_dir(TINY["vocab"]) as dictionaries, \
+            gpu_check_recipe.recipe_data(None, dictionaries, TINY,
+                                         TINY["recipe_updates"]) as data_for:
+        for system in systems:
+            commands = gpu_check_recipe.system_commands(system, TINY, "bf16", gpus,
+                                                        dictionaries, data_for, bf16=True)
+            assert list(commands) == ["bf16", "fp32"]
+            for precision, (dry_run, argv, epoch) in commands.items():
+                assert dry_run[1:4] == ["-m", "fairseq_cli.train", dictionaries]
+                assert argv[:3] == dry_run[:3] and argv[3] != dictionaries
+                assert os.path.exists(os.path.join(argv[3], "valid.src-tgt.src.idx"))
+                assert TINY["recipe_updates"] < epoch < 2 * TINY["recipe_updates"]
+                dry, ours = flag_tokens(dry_run[4:]), flag_tokens(argv[4:])
+                assert [flag for flag, _ in ours[:len(dry)]] == [flag for flag, _ in dry]
+                changed = {flag for (flag, old), (_, new) in zip(dry, ours) if old != new}
+                assert changed <= set(gpu_check_recipe.CHANGED_FLAGS)
+                appended = ours[len(dry):]
+                model = gpu_check.model_flags(TINY, system)
+                assert [f for f, _ in appended[:-len(model)]] == [
+                    "--save-interval-updates", "--validate-interval-updates", "--seed",
+                    "--log-format", "--log-interval"]
+                assert argv[-len(model):] == model
+                # train.sh's own: update-freq, precision, optimizer, lr, criterion
+                for flag in ("--update-freq", "--optimizer", "--lr", "--criterion",
+                             "--distributed-world-size" if gpus else "--cpu"):
+                    assert gpu_check_recipe.flag_value(argv, flag) == \
+                        gpu_check_recipe.flag_value(dry_run, flag)
+                assert last_value(argv, "--update-freq") == update_freqs[system.name]
+                flags = [w for w in argv if w in gpu_check_recipe.PRECISION_FLAGS]
+                assert flags == [w for w in dry_run if w in gpu_check_recipe.PRECISION_FLAGS]
+                assert flags == (precision_flags if precision == "bf16"
+                                 else precision_flags[2:])
+                assert [last_value(argv, f) for f in (
+                    "--max-tokens", "--max-update", "--warmup-updates", "--save-interval-updates",
+                    "--validate-interval-updates")] == [
+                    str(TINY[k]) for k in ("recipe_max_tokens", "recipe_updates",
+                                           "recipe_lr_warmup_updates", "recipe_interval",
+                                           "recipe_interval")]
+
+
+def fake_fairseq_runs(resume_from=None, fail=None):
+    """A stand-in for gpu_check_recipe.run_fairseq_train that writes the log fairseq-train would:
+    one train_inner line per update, a validation every --validate-interval-updates, and on a
+    resume the line of the checkpoint_last.pt it loads. ``resume_from``: the update a resume
+    says it loaded (default: the saved one); ``fail``: (run name, exit status) to fail."""
+    calls = []
+
+    def run(argv, log_path, timeout):
+        save_dir = last_value(argv, "--save-dir")
+        name = os.path.basename(log_path)[:-len(".log")]
+        calls.append((name, argv))
+        last = os.path.join(save_dir, "checkpoint_last.pt")
+        start = 0
+        lines = []
+        if os.path.exists(last):
+            with open(last) as f:
+                start = int(f.read()) if resume_from is None else resume_from
+            lines.append(f"x | INFO | fairseq.trainer | Loaded checkpoint {last} (epoch 1 @ "
+                         f"{start} updates)")
+        every = int(last_value(argv, "--validate-interval-updates"))
+        end = int(last_value(argv, "--max-update"))
+        for update in range(start + 1, end + 1):
+            lines.append(f'x | INFO | train_inner | {{"epoch": 1, "loss": "{10 - update / 10}", '
+                         f'"num_updates": "{update}"}}')
+            if update % every == 0 or update == end:
+                lines.append(f'x | INFO | valid | {{"epoch": 1, "valid_loss": '
+                             f'"{10.5 - update / 10}", "valid_num_updates": "{update}"}}')
+        with open(log_path, "w") as log:
+            log.write("\n".join(lines) + "\n")
+        if fail and fail[0] == name:
+            return fail[1]
+        with open(last, "w") as f:
+            f.write(str(end))
+        return 0
+
+    run.calls = calls
+    return run
+
+
+def test_the_recipe_leg_resumes_at_update_k_and_compares_with_fp32(monkeypatch):
+    fake = fake_fairseq_runs()
+    monkeypatch.setattr(gpu_check_recipe, "run_fairseq_train", fake)
+    k = TINY["recipe_updates"]
+    with fake_data_dir(TINY["vocab"]) as dictionaries:
+        leg = gpu_check.recipe_leg([gpu_check.STOCK], gpu_check.check_systems(TINY), TINY,
+                                   "bf16", "cpu", dictionaries, log=lambda line: None)
+    row = leg["systems"][gpu_check.STOCK]
+    assert row["failed_checks"] == [] and row["vs_fp32"]["passed"]
+    assert row["update_freq"] == "1" and row["precision_flags"] == ["--amp", "--bf16", "--cpu"]
+    by_save_dir = {}
+    for name, argv in fake.calls:  # the two chains ran side by side
+        by_save_dir.setdefault(last_value(argv, "--save-dir"), []).append((name, argv))
+    assert len(by_save_dir) == 2
+    for (first_name, first), (resume_name, resume) in by_save_dir.values():
+        # the resume: the same command in the same save dir, only --max-update doubled
+        assert (first_name, resume_name) == ("run", "resume")
+        assert resume == gpu_check_recipe.set_flag(first, "--max-update", 2 * k)
+    for chain in row["chains"].values():
+        assert chain["resume"]["loaded"]["updates"] == k
+        assert [u for u, _ in chain["run"]["losses"] + chain["resume"]["losses"]] == \
+            list(range(1, 2 * k + 1))
+    report = gpu_check.markdown_report(dict(
+        machine="CPU", device="cpu", precision="bf16", size="tiny", shape={}, data=None,
+        systems={}, table=False, recipe=leg, max_gap_of_fall=gpu_check.MAX_GAP_OF_FALL))
+    assert "The per-family table: not run (--no-table)." in report
+    assert (f"| {gpu_check.STOCK} | 1; `--amp --bf16 --cpu` | 0, 0 | checkpoint_last.pt @ {k} "
+            f"| 9.900 -> 9.600 -> 9.200 |") in report
+    assert "| +0.000 (0.0% of it) | " in report and report.rstrip().endswith("| pass |")
+
+
+@pytest.mark.parametrize("fake, failure", [
+    (dict(resume_from=0), "bf16 resume did not start from checkpoint_last.pt at update 4"),
+    (dict(fail=("resume", 1)), "bf16 resume exited with 1"),
+    (dict(fail=("run", 2)), "bf16 run exited with 2 (not resumed)"),
+])
+def test_a_failed_recipe_run_is_reported_and_exits_3(monkeypatch, tmp_path, capsys, fake,
+                                                     failure):
+    monkeypatch.setattr(gpu_check_recipe, "run_fairseq_train", fake_fairseq_runs(**fake))
+    status = gpu_check_cli.main(["--device", "cpu", "--precision", "bf16", "--size", "tiny",
+                                 "--no-table", "--recipe-systems", gpu_check.STOCK,
+                                 "--out", str(tmp_path)])
+    assert status == 3
+    row = json.loads((tmp_path / "check.json").read_text())["recipe"]["systems"][
+        gpu_check.STOCK]
+    assert failure in "; ".join(row["failed_checks"])
+    assert f"**fail: {failure}" in (tmp_path / "check.md").read_text()
+
+
+def test_recipe_leg_switches(tmp_path):
+    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
+                    "--no-table", "--no-recipe"], check=False)
+    assert proc.returncode == 1 and "leave nothing to run" in proc.stderr
+    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
+                    "--recipe-systems", "nope"], check=False)
+    assert proc.returncode == 1 and "unknown system(s) ['nope']" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_recipe_leg_runs_fairseq_train_saves_validates_and_resumes(tmp_path):
+    """The real thing on the CPU: train.sh's fairseq-train for stock, K updates with saves and
+    validations, resumed from checkpoint_last.pt at update K across an epoch's end, in bf16
+    autocast and in fp32."""
+    proc = run_cli(["bash", ROOT / "scripts" / "gpu-check.sh", "--no-bench", "--device", "cpu",
+                    "--precision", "bf16", "--size", "tiny", "--out", tmp_path, "--no-table",
+                    "--recipe-systems", gpu_check.STOCK], env=clean_env(PYTHON=sys.executable))
+    result = json.loads((tmp_path / "check.json").read_text())
+    assert result["systems"] == {} and result["table"] is False
+    k = TINY["recipe_updates"]
+    row = result["recipe"]["systems"][gpu_check.STOCK]
+    assert row["failed_checks"] == [], row
+    dry_run = shlex.split(row["dry_run_command"])
+    argv = shlex.split(row["command"])
+    assert last_value(argv, "--update-freq") == last_value(dry_run, "--update-freq")
+    assert row["precision_flags"] == ["--amp", "--bf16", "--cpu"]
+    assert row["precision_flags"] == [w for w in dry_run
+                                      if w in gpu_check_recipe.PRECISION_FLAGS]
+    for chain in row["chains"].values():
+        first, resume = chain["run"], chain["resume"]
+        assert first["exit_status"] == resume["exit_status"] == 0
+        assert first["loaded"] is None
+        assert os.path.basename(resume["loaded"]["path"]) == "checkpoint_last.pt"
+        assert resume["loaded"]["updates"] == k
+        assert [u for u, _ in first["losses"]] == list(range(1, k + 1))
+        assert [u for u, _ in resume["losses"]] == list(range(k + 1, 2 * k + 1))
+        assert first["valid"] and resume["valid"]
+        assert resume["epochs"] == [1, 2]  # resumed inside epoch 1, crossed its end
+    assert row["vs_fp32"]["passed"] and row["loss_fell"]
+    report = (tmp_path / "check.md").read_text()
+    assert f"| {gpu_check.STOCK} | 1; `--amp --bf16 --cpu` | 0, 0 | checkpoint_last.pt @ {k} |" \
+        in report
+    assert re.search(r"gpu-check.sh: reports in .*; exit status 0; took \d+ s$", proc.stderr)

@@ -63,6 +63,10 @@ from multipath_nmt.benchmark.flops import (
 from multipath_nmt.benchmark.gpu_check_ddp import (  # noqa: F401
     ddp_command, ddp_data_dir, ddp_leg, train_losses, write_synthetic_train_split,
 )
+from multipath_nmt.benchmark.gpu_check_recipe import (  # noqa: F401
+    CHANGED_FLAGS, RECIPE_SYSTEMS, RecipeLegError, leg_command, read_run_log, recipe_leg,
+    train_sh_dry_run,
+)
 from multipath_nmt.benchmark.gpu_check_report import (  # noqa: F401
     _number, failed, markdown_report, write_reports,
 )
@@ -175,11 +179,16 @@ def check_system(size, system, data_dir, precision, device, from_data_bin, count
 
 
 def run_check(size_name="gpu", device="cuda", precision="auto", data=None, only=None,
-              log=print, count_syncs=None, ddp_gpus=None, bf16=None):
+              log=print, count_syncs=None, ddp_gpus=None, bf16=None, table=True,
+              recipe_systems=None, recipe_jobs=None):
     """Check every system; returns the result dict ``markdown_report`` renders. ``data``: a
     data-bin (joined dictionary) whose train and valid splits give the batches. ``ddp_gpus``:
     GPUs for the fairseq-train runs (default: 2 where 2 or more are visible, else none).
-    ``bf16``: whether the GPU has bfloat16, for ``--precision auto`` (default: it is asked)."""
+    ``bf16``: whether the GPU has bfloat16, for ``--precision auto`` (default: it is asked).
+    ``table``: whether to run the per-family table; ``recipe_systems``: the systems of the
+    recipe leg (none: no recipe leg; the CLI's default is ``RECIPE_SYSTEMS``), run with
+    ``recipe_jobs`` chains side by side (default: all of them on CUDA, one per core on the
+    CPU)."""
     from fairseq.data import data_utils
 
     start = time.perf_counter()
@@ -189,8 +198,9 @@ def run_check(size_name="gpu", device="cuda", precision="auto", data=None, only=
         count_syncs = SyncWarnings
     if ddp_gpus is None:
         ddp_gpus = DDP_GPUS if device == "cuda" and torch.cuda.device_count() >= DDP_GPUS else 0
-    systems = [s for s in check_systems(size) if not only or s.name in only]
-    results = {}
+    every = check_systems(size)
+    systems = [s for s in every if table and (not only or s.name in only)]
+    results, leg = {}, None
     with contextlib.ExitStack() as stack:
         data_dir = data or stack.enter_context(fake_data_dir(size["vocab"]))
         languages = data_utils.infer_language_pair(data_dir) if data else ("src", "tgt")
@@ -207,10 +217,16 @@ def run_check(size_name="gpu", device="cuda", precision="auto", data=None, only=
             release_memory(device)  # the failed system's trainer too (its traceback is gone)
             results[system.name]["seconds"] = time.perf_counter() - system_start
             log(f"{system.name}: {json.dumps(results[system.name])[:300]}")
+        if recipe_systems:
+            leg = recipe_leg(recipe_systems, every, size, trained_in, device, data_dir,
+                             data, languages, recipe_jobs,
+                             bf16=True if device == "cuda" and trained_in == "bf16" else None,
+                             log=log)
     return {"size": size_name, "shape": size, "device": device, "precision": trained_in,
             "precision_asked": precision,
             "precision_flags": precision_flags(trained_in),
             "update_freq": UPDATE_FREQ, "lr_warmup_updates": size["lr_warmup_updates"],
             "max_gap_of_fall": MAX_GAP_OF_FALL, "ddp_gpus": ddp_gpus,
             "data": data, "machine": machine_description(device), "systems": results,
+            "table": table, "recipe": leg,
             "seconds": time.perf_counter() - start}

@@ -16,24 +16,39 @@ from multipath_nmt.benchmark.gpu_check_setup import UPDATE_FREQ, check_command
 from multipath_nmt.training_log import PlotLogError, parse_log
 
 
-def write_synthetic_train_split(data_dir, languages, sentences, mean_length, seed=3):
-    """A binarized ``train`` split of synthetic sentence pairs (``batches.synthetic_dataset``)
-    in a data dir that has the dictionaries (``batches.fake_data_dir``), for fairseq-train."""
-    from fairseq.data import Dictionary, indexed_dataset
+def synthetic_pairs(data_dir, languages, sentences, mean_length, seed=3):
+    """``sentences`` synthetic sentence pairs (``batches.synthetic_dataset``) in the
+    dictionaries of a data dir (``batches.fake_data_dir``), as a ``LanguagePairDataset``."""
+    from fairseq.data import Dictionary
 
     dictionary = Dictionary.load(os.path.join(data_dir, f"dict.{languages[0]}.txt"))
     task = types.SimpleNamespace(
         source_dictionary=dictionary, target_dictionary=dictionary,
         cfg=types.SimpleNamespace(left_pad_source=True, left_pad_target=False))
-    dataset = synthetic_dataset(task, sentences, mean_length, seed)
+    return synthetic_dataset(task, sentences, mean_length, seed)
+
+
+def write_split(data_dir, languages, dataset, split="train"):
+    """``dataset`` (a ``LanguagePairDataset``) binarized as ``split`` of the data dir."""
+    from fairseq.data import indexed_dataset
+
     source, target = languages
     for lang, column in ((source, dataset.src), (target, dataset.tgt)):
-        prefix = os.path.join(data_dir, f"train.{source}-{target}.{lang}")
+        prefix = os.path.join(data_dir, f"{split}.{source}-{target}.{lang}")
         builder = indexed_dataset.make_builder(prefix + ".bin", impl="mmap",
-                                               vocab_size=len(dictionary))
+                                               vocab_size=len(dataset.src_dict))
         for tokens in column:
             builder.add_item(tokens)
         builder.finalize(prefix + ".idx")
+
+
+def write_synthetic_train_split(data_dir, languages, sentences, mean_length, seed=3,
+                                split="train"):
+    """A binarized ``split`` (default ``train``) of synthetic sentence pairs
+    (``batches.synthetic_dataset``) in a data dir that has the dictionaries
+    (``batches.fake_data_dir``), for fairseq-train."""
+    write_split(data_dir, languages,
+                synthetic_pairs(data_dir, languages, sentences, mean_length, seed), split)
 
 
 def ddp_command(data_dir, save_dir, size, system, precision, gpus, languages=("src", "tgt"),

@@ -9,8 +9,11 @@ from multipath_nmt.benchmark.gpu_check_setup import DDP_GPUS, STOCK
 
 
 def failed(result):
-    """Whether any system of a check failed to run or failed a check (exit status 3)."""
-    return any("error" in r or r.get("failed_checks") for r in result["systems"].values())
+    """Whether any system of a check, in the per-family table or in the recipe leg, failed to
+    run or failed a check (exit status 3)."""
+    rows = [*result["systems"].values(), *((result.get("recipe") or {}).get("systems") or {})
+            .values()]
+    return any("error" in r or r.get("failed_checks") for r in rows)
 
 
 def _number(value, form):
@@ -18,11 +21,7 @@ def _number(value, form):
 
 
 def markdown_report(result):
-    from multipath_nmt.attention import format_attention_calls
-
     systems = result["systems"]
-    stock = systems.get(STOCK, {}).get("tokens_per_s")
-    ddp_gpus = result.get("ddp_gpus") or DDP_GPUS
     flags = " ".join(result.get("precision_flags", [])) or "no precision flags"
     lines = [
         f"Machine: {result['machine']}; device {result['device']}, {result['precision']} "
@@ -31,7 +30,9 @@ def markdown_report(result):
         "token x tokens/s / the best rate this device reached on the model's own matrix "
         "products (`gemm_peak_flops` in check.json).", "",
     ]
-    if "update_freq" in result:
+    if result.get("table") is False:
+        lines += ["The per-family table: not run (--no-table).", ""]
+    elif "update_freq" in result:
         lines += [
             "Every system trains through the fairseq-train command that `scripts/train.sh` runs "
             "(`recipe.train_command`: `--optimizer adam_fused`, the recipe's learning rate and "
@@ -49,7 +50,21 @@ def markdown_report(result):
                f"{result['shape']['ddp_updates']} updates." if result["ddp_gpus"] else
                "fairseq-train on 2 GPUs: not run (fewer than 2 GPUs visible, or --no-ddp)."),
             "", f"The check took {result['seconds']:.0f} s.", ""]
-    lines += [
+    if systems or result.get("table") is not False:
+        lines += table_lines(result)
+    lines += recipe_lines(result)
+    return "\n".join(lines) + "\n"
+
+
+def table_lines(result):
+    """The per-family table and what follows it (sync sources, failed 2-GPU runs' output,
+    attention call sites)."""
+    from multipath_nmt.attention import format_attention_calls
+
+    systems = result["systems"]
+    stock = systems.get(STOCK, {}).get("tokens_per_s")
+    ddp_gpus = result.get("ddp_gpus") or DDP_GPUS
+    lines = [
         "| system | loss finite | loss first -> last | skipped steps (overflows) | loss scale "
         "start -> lowest -> end | sync warnings per step | peak MiB | tokens/s | vs stock | MFU "
         "| beam fp16 = fp32 | BLEU fp16 vs fp32 | loss falls | fp32 first -> last | gap vs "
@@ -109,7 +124,96 @@ def markdown_report(result):
             lines += ["", f"Attention call sites of {name}: the mask each passes to SDPA, on the "
                       "first batch (training) and in beam search (inference):", "",
                       *format_attention_calls(r["attention_calls"])]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _losses(points):
+    return ", ".join(f"{update}: {loss:.3f}" for update, loss in points)
+
+
+def _chain(chain, updates):
+    """One chain's cells: exit statuses, where the resume started, losses, valid losses."""
+    first, resume = chain["run"], chain["resume"]
+    exits = f"{first['exit_status']}, " + ("not run" if resume is None
+                                           else str(resume["exit_status"]))
+    loaded = resume and resume["loaded"]
+    started = ("" if resume is None else "**fresh start**" if not loaded
+               else f"{os.path.basename(loaded['path'])} @ {loaded['updates']}")
+    losses = sorted(first["losses"] + (resume["losses"] if resume else []))
+    at_k = [loss for update, loss in losses if update == updates]
+    trail = (f"{losses[0][1]:.3f} -> {_number(at_k[0] if at_k else None, '.3f') or '?'} -> "
+             f"{losses[-1][1]:.3f}" if losses else "")
+    valid = _losses(sorted(first["valid"] + (resume["valid"] if resume else [])))
+    return exits, started, trail, valid
+
+
+def recipe_lines(result):
+    """The recipe leg's table (the second one of check.md) and the failed runs' output."""
+    leg = result.get("recipe")
+    if not leg:
+        return ["", "The recipe leg: not run (--no-recipe, or none of its systems among --only)."]
+    k = leg["updates"]
+    lines = [
+        "", "The recipe leg: the fairseq-train command that `scripts/train.sh --dry-run` prints "
+        f"for {'one GPU' if leg['gpus'] else 'the CPU'} (its `--update-freq` and precision "
+        "flags, optimizer, learning rate and criterion), run as fairseq-train itself (epoch "
+        "loop, validation, checkpoint saves), with only the data-bin (synthetic train and "
+        "valid splits unless --data), the model size (the check's), `--max-tokens "
+        f"{leg['max_tokens']}`, `--max-update {k}`, `--warmup-updates "
+        f"{leg['lr_warmup_updates']}`, `--save-interval-updates` and "
+        f"`--validate-interval-updates {leg['interval']}`, `--seed 1` and a JSON log of every "
+        f"update changed (`dry_run_command` and `command` in check.json). Each run then resumes "
+        f"with `--max-update {2 * k}`: it must load checkpoint_last.pt at update {k} and log "
+        f"updates {k + 1} to {2 * k}. The same in fp32; the gap (last loss minus fp32's, base "
+        f"2) passes within {100 * result['max_gap_of_fall']:.0f}% of fp32's loss fall. "
+        "Synthetic data: one epoch ends between the two runs' ends, so that the resume starts "
+        "inside an epoch and crosses its end. The chains (a precision's run and resume) ran "
+        f"{leg['jobs']} at a time; the leg took {leg['seconds']:.0f} s.", "",
+        "| system | update-freq; precision flags | exit (run, resume) | resumed from | loss "
+        f"first -> {k} -> last | valid losses (update: loss) | epochs | fp32 exit (run, "
+        f"resume) | fp32 resumed from | fp32 loss first -> {k} -> last | fp32 valid losses | gap vs "
+        "fp32 (of its fall) | seconds | verdict |",
+        "|" + "---|" * 14,
+    ]
+    for name, r in leg["systems"].items():
+        if "error" in r:
+            lines.append(f"| {name} | **failed: {r['error'][:300]}** |" + " |" * 11
+                         + " **failed** |")
+            continue
+        chains = r["chains"]
+        mixed = next(label for label in chains if label != "fp32") if len(chains) > 1 \
+            else next(iter(chains))
+        exits, started, trail, valid = _chain(chains[mixed], k)
+        epochs = sorted({e for c in chains.values() for run in (c["run"], c["resume"]) if run
+                         for e in run["epochs"]})
+        fp32 = _chain(chains["fp32"], k) if mixed != "fp32" else ("",) * 4
+        gap = r.get("vs_fp32")
+        if gap:
+            share = gap["gap_share_of_fp32_fall"]
+            gap = (f"{gap['gap']:+.3f} ("
+                   + ("fp32 did not fall" if share is None else f"{100 * share:.1f}% of it")
+                   + ")")
+        elif mixed == "fp32":
+            gap = "(trained in fp32)"
+        checks = r["failed_checks"]
+        verdict = "pass" if not checks else "**fail: " + "; ".join(checks) + "**"
+        flags = " ".join(r["precision_flags"]) or "fp32"
+        lines.append(
+            f"| {name} | {r['update_freq']}; `{flags}` | {exits} | {started} | {trail} | {valid} "
+            f"| {', '.join(map(str, epochs))}"
+            + (f" ({r['updates_per_epoch']} updates each)" if r.get("updates_per_epoch") else "")
+            + f" | {fp32[0]} | {fp32[1]} | "
+            f"{fp32[2]} | {fp32[3]} | {gap or ''} | "
+            f"{_number(r.get('seconds'), '.0f')} | {verdict} |")
+    for name, r in leg["systems"].items():
+        for label, chain in (r.get("chains") or {}).items():
+            for part in ("run", "resume"):
+                run = chain[part]
+                if run and run.get("output_tail"):
+                    lines += ["", f"Recipe leg, {name}, {label} {part}: `{run['command']}`; the "
+                              "end of its output:", "", "```", run["output_tail"].rstrip("\n"),
+                              "```"]
+    return lines
 
 
 def write_reports(result, out_dir):

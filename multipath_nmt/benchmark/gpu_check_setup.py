@@ -5,19 +5,36 @@ precisions, the systems it trains, and the fairseq-train command each trains thr
 from multipath_nmt import recipe
 from multipath_nmt.benchmark.systems import System, systems_for
 
-# "gpu" is the size the check is made for (224 s for 7 systems on one H200, docs/gpu.md); "tiny"
-# runs the same code on the CPU in seconds (the tests). ``steps`` updates per system (each of
-# UPDATE_FREQ micro-batches of up to ``max_tokens``): the first ``warmup_steps`` neither timed nor
-# counted (allocator, cuBLAS heuristics, lazily loaded kernels), the next ``sync_steps`` counted
-# for syncs, the rest timed. ``lr_warmup_updates`` replaces the recipe's --warmup-updates;
-# ``ddp_updates`` is the length of the fairseq-train run on 2 GPUs.
+# "gpu" is the size the check is made for; "tiny" runs the same code on the CPU in seconds (the
+# tests). ``steps`` updates per system in the per-family table (each of UPDATE_FREQ micro-batches
+# of up to ``max_tokens``): the first ``warmup_steps`` neither timed nor counted (allocator,
+# cuBLAS heuristics, lazily loaded kernels), the next ``sync_steps`` counted for syncs, the rest
+# timed. ``lr_warmup_updates`` replaces the recipe's --warmup-updates; ``ddp_updates`` is the
+# length of the fairseq-train run on 2 GPUs. ``recipe_*``: the recipe leg (gpu_check_recipe):
+# ``recipe_updates`` (K) per run, then resumed to 2K, a save and a validation every
+# ``recipe_interval`` updates, micro-batches of ``recipe_max_tokens`` (train.sh's update-freq
+# kept), ``recipe_valid_sentences`` in the valid split, each process killed after
+# ``recipe_timeout`` seconds.
+#
+# Time on one H200 (scripts/gpu-check.sh --no-bench --no-ddp must stay within 3.5 minutes): the
+# table took 224 s for 7 systems at 50 steps (10 + 10 + 30) with 256 beam sentences, about 30 s
+# per system, 2/3 of it training. At 30 steps (5 + 5 + 20) and 64 beam sentences, an estimate:
+# about 17 s per system, 120 s for 7, plus 15 s to start. The recipe leg, an estimate: 4 chains
+# side by side (stock and multi-path 6 x 4, bf16 and fp32), each 2 fairseq-train starts (10-15 s
+# each), 2 x 6 updates of 8 or 16 micro-batches of 1,024 tokens (host-bound at d 512: about
+# 0.6-1 s per update), 4 validations and 5 saves of up to 1.4 GB (multi-path with Adam's state):
+# about 50-60 s. Together about 190 s; nothing of it measured on a GPU yet.
 CHECK_SIZES = {
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
                  max_tokens=256, mean_length=12, steps=6, warmup_steps=2, sync_steps=2,
-                 lr_warmup_updates=2, beam_sentences=8, gemm_repeats=2, ddp_updates=4),
+                 lr_warmup_updates=2, beam_sentences=8, gemm_repeats=2, ddp_updates=4,
+                 recipe_updates=4, recipe_interval=2, recipe_max_tokens=256,
+                 recipe_lr_warmup_updates=2, recipe_valid_sentences=24, recipe_timeout=300),
     "gpu": dict(dim=512, ffn=2048, heads=8, vocab=32000, base_layers=6, decoder_layers=6,
-                max_tokens=4096, mean_length=28, steps=50, warmup_steps=10, sync_steps=10,
-                lr_warmup_updates=10, beam_sentences=256, gemm_repeats=20, ddp_updates=20),
+                max_tokens=4096, mean_length=28, steps=30, warmup_steps=5, sync_steps=5,
+                lr_warmup_updates=5, beam_sentences=64, gemm_repeats=20, ddp_updates=20,
+                recipe_updates=6, recipe_interval=3, recipe_max_tokens=1024,
+                recipe_lr_warmup_updates=4, recipe_valid_sentences=80, recipe_timeout=240),
 }
 # train.sh's micro-batches per update: its default batch is max-tokens x GPUs x 2 for the deep
 # recipe (the check asks for that batch with --batch-tokens, for every arch)

@@ -1,7 +1,9 @@
-"""The GPU check (scripts/gpu-check.sh): every architecture family trained through the command
-scripts/train.sh runs (the recipe's optimizer, precision and update-freq), its loss against fp32's
-over the same updates, host syncs, memory, speed and fp16 beam search, on one GPU, and the
-recipe's fairseq-train command on 2 GPUs where there are 2
+"""The GPU check (scripts/gpu-check.sh): the per-family table, every architecture family trained
+in-process through the command scripts/train.sh builds (the recipe's optimizer and precision,
+--update-freq 2), its loss against fp32's over the same updates, host syncs, memory, speed and
+fp16 beam search, on one GPU; the recipe leg, train.sh's own fairseq-train command for one GPU
+(its update-freq and precision) run as fairseq-train for a few updates with a save, a validation
+and a resume, against fp32; and the recipe's fairseq-train command on 2 GPUs where there are 2
 (:mod:`multipath_nmt.benchmark.gpu_check`)."""
 import argparse
 import logging
@@ -21,9 +23,9 @@ def build_parser():
     parser.add_argument("--out", default="results/gpu-check",
                         help="folder for check.json and check.md")
     parser.add_argument("--size", choices=sorted(gpu_check.CHECK_SIZES), default="gpu",
-                        help="'gpu' (d 512, 6+6 layers, 50 updates of 2 x 4096-token "
-                             "micro-batches) is the check; 'tiny' runs the same code in seconds "
-                             "(tests)")
+                        help="'gpu' (d 512, 6+6 layers; the table: 30 updates of 2 x "
+                             "4096-token micro-batches; the recipe leg: 6 updates, resumed to "
+                             "12) is the check; 'tiny' runs the same code in seconds (tests)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu runs everything but the sync, memory and CUDA-event figures "
                              "and the 2-GPU run")
@@ -36,6 +38,19 @@ def build_parser():
                              "are visible)")
     parser.add_argument("--only", nargs="+", metavar="SYSTEM",
                         help="check only these systems (names as in the report)")
+    parser.add_argument("--no-table", action="store_true",
+                        help="skip the per-family table (in-process training, syncs, memory, "
+                             "speed, beam search): run the recipe leg alone")
+    parser.add_argument("--no-recipe", action="store_true",
+                        help="skip the recipe leg (train.sh's fairseq-train, saved, validated "
+                             "and resumed)")
+    parser.add_argument("--recipe-systems", nargs="+", metavar="SYSTEM",
+                        help="the recipe leg's systems, or 'all' (default: "
+                             f"{', '.join(repr(n) for n in gpu_check.RECIPE_SYSTEMS)}, those "
+                             "among --only where it is given)")
+    parser.add_argument("--recipe-jobs", type=int, metavar="N",
+                        help="fairseq-train chains of the recipe leg run side by side "
+                             "(default: all of them on CUDA, 1 on the CPU)")
     return parser
 
 
@@ -56,14 +71,26 @@ def main(argv=None):
     except recipe.RecipeError as error:
         sys.exit(f"gpu-check: {error}")
     known = [s.name for s in gpu_check.check_systems(gpu_check.CHECK_SIZES[args.size])]
-    unknown = sorted(set(args.only or []) - set(known))
+    recipe_systems = known if args.recipe_systems == ["all"] else args.recipe_systems
+    unknown = sorted(set(args.only or []).union(recipe_systems or []) - set(known))
     if unknown:
         sys.exit(f"gpu-check: unknown system(s) {unknown}; choose from {known}")
+    if args.no_recipe:
+        recipe_systems = []
+    elif recipe_systems is None:
+        recipe_systems = [name for name in gpu_check.RECIPE_SYSTEMS
+                          if not args.only or name in args.only]
+    if args.no_table and args.no_recipe:
+        sys.exit("gpu-check: --no-table and --no-recipe leave nothing to run")
+    if args.recipe_jobs is not None and args.recipe_jobs < 1:
+        sys.exit(f"gpu-check: --recipe-jobs must be 1 or more, got {args.recipe_jobs}")
     logging.basicConfig(level=logging.WARNING, force=True)  # fairseq and hydra are chatty
     warnings.filterwarnings("ignore", module="hydra")
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     result = gpu_check.run_check(args.size, args.device, args.precision, args.data, args.only,
-                                 log=log, ddp_gpus=0 if args.no_ddp else None)
+                                 log=log, ddp_gpus=0 if args.no_ddp or args.no_table else None,
+                                 table=not args.no_table, recipe_systems=recipe_systems,
+                                 recipe_jobs=args.recipe_jobs)
     gpu_check.write_reports(result, args.out)
     print(gpu_check.markdown_report(result))
     print(f"wrote {args.out}/check.json and check.md", file=sys.stderr)
