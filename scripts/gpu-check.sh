@@ -5,7 +5,7 @@
 #   builds (recipe.train_command: --optimizer adam_fused, the recipe's lr and criterion, and
 #   train.sh's precision: --precision auto is --amp --bf16 on GPUs with bfloat16, else --amp; but
 #   --update-freq 2, not train.sh's 8 or 16 on one GPU), at the check's model size with a short
-#   --warmup-updates, 30 updates on padded, length-varied batches: finite losses, a falling loss,
+#   --warmup-updates, 20 updates on padded, length-varied batches: finite losses, a falling loss,
 #   loss scale and skipped updates, synchronizing CUDA operations per update
 #   (torch.cuda.set_sync_debug_mode("warn")), peak memory, tokens/s against stock fairseq, the
 #   same updates in fp32 (same seed and batches: the last losses' gap must be within 10% of fp32's
@@ -27,7 +27,7 @@
 # length. --no-bench skips multipath-bench. Other arguments go to `python -m
 # multipath_nmt.cli.gpu_check` (see its --help).
 # Time on one H200 of --no-bench --no-ddp (an estimate, not yet measured; gpu_check_setup.py
-# says how it is made): about 135 s for the table, 55 s for the recipe leg.
+# says how it is made): about 130 s for the table, 55 s for the recipe leg.
 # Exit status: 0 when every system passed, 3 when one failed to run or failed a check (check.md
 # says which and why), anything else when the check did not run. The last line says how long it
 # took. PYTHON selects the interpreter that has multipath_nmt installed (default: python).

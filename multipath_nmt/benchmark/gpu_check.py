@@ -2,11 +2,12 @@
 systems, batches, clock and FLOP counting (nothing else in the package depends on it).
 
 For every architecture family (stock transformer, multi-path, WideNet, MoE, EWA, ParameterNet) it
-trains through the command that ``scripts/train.sh`` runs: ``recipe.train_command`` turns
+trains in-process from the command that ``scripts/train.sh`` builds: ``recipe.train_command`` turns
 train.sh's arguments (the arch, ``--precision``, the batch) into fairseq-train's command line,
 so the optimizer is ``adam_fused``, the precision is the recipe's (``--amp --bf16`` or ``--amp``,
 fp32 weights), every update is 2 micro-batches (``--update-freq 2``), and the learning rate and
-criterion are the recipe's for the arch. Only these differ from a real run: the model size (the
+criterion are the recipe's for the arch. Only these differ from a real run (besides the
+update-freq, which train.sh makes 8 or 16 on one GPU): the model size (the
 check's, below), ``--warmup-updates`` (a few updates instead of the recipe's 8,000/16,000, so
 that the loss can fall within the check's updates), ``--max-update`` (the check's updates, over
 which EWA's schedule runs), and ``--seed 1``. fairseq's own ``Trainer``
@@ -36,10 +37,16 @@ train.sh precision: fairseq's fp16 optimizer, added to the recipe's fp32 command
 loss scaler and its overflow handling. The fairseq-train run on 2 GPUs is tested as two gloo
 processes under ``torchrun`` (the ``launch`` argument of :func:`ddp_leg`).
 
+This is the per-family table. It trains in-process with ``--update-freq 2``, not train.sh's 8 or
+16 on one GPU, and runs no epoch loop, validation, save or resume: the recipe leg
+(``gpu_check_recipe``) runs train.sh's fairseq-train command itself, for stock and multi-path by
+default.
+
 This module runs the check (:func:`run_check`, system by system); its parts sit beside it:
 ``gpu_check_setup`` (sizes, precisions, systems, the fairseq-train command), ``gpu_check_training``
 (the updates and what is measured on them, fp32 and beam search compared), ``gpu_check_ddp`` (the
-run on 2 GPUs) and ``gpu_check_report`` (check.md and check.json).
+run on 2 GPUs), ``gpu_check_recipe`` (the recipe leg) and ``gpu_check_report`` (check.md and
+check.json).
 """
 import contextlib
 import gc

@@ -34,9 +34,11 @@ def markdown_report(result):
         lines += ["The per-family table: not run (--no-table).", ""]
     elif "update_freq" in result:
         lines += [
-            "Every system trains through the fairseq-train command that `scripts/train.sh` runs "
-            "(`recipe.train_command`: `--optimizer adam_fused`, the recipe's learning rate and "
-            f"criterion, `--update-freq {result['update_freq']}`, the precision above), at the "
+            "The per-family table: every system trains in-process (fairseq's `Trainer`, no "
+            "epoch loop, validation or save) from the command `recipe.train_command` builds for "
+            "train.sh's arguments (`--optimizer adam_fused`, the recipe's learning rate and "
+            f"criterion, the precision above, but `--update-freq {result['update_freq']}`, where "
+            "train.sh runs 8 or 16 on one GPU: the recipe leg below runs that), at the "
             f"check's model size and with `--warmup-updates {result['lr_warmup_updates']}` "
             "instead of the recipe's 8,000 or 16,000, so that the loss can fall within the "
             "check's updates; each system's command is `command` in check.json. Of its "

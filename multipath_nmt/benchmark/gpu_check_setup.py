@@ -16,14 +16,19 @@ from multipath_nmt.benchmark.systems import System, systems_for
 # kept), ``recipe_valid_sentences`` in the valid split, each process killed after
 # ``recipe_timeout`` seconds.
 #
-# Time on one H200 (scripts/gpu-check.sh --no-bench --no-ddp must stay within 3.5 minutes): the
-# table took 224 s for 7 systems at 50 steps (10 + 10 + 30) with 256 beam sentences, about 30 s
-# per system, 2/3 of it training. At 30 steps (5 + 5 + 20) and 64 beam sentences, an estimate:
-# about 17 s per system, 120 s for 7, plus 15 s to start. The recipe leg, an estimate: 4 chains
-# side by side (stock and multi-path 6 x 4, bf16 and fp32), each 2 fairseq-train starts (10-15 s
-# each), 2 x 6 updates of 8 or 16 micro-batches of 1,024 tokens (host-bound at d 512: about
-# 0.6-1 s per update), 4 validations and 5 saves of up to 1.4 GB (multi-path with Adam's state):
-# about 50-60 s. Together about 190 s; nothing of it measured on a GPU yet.
+# Time on one H200 (scripts/gpu-check.sh --no-bench --no-ddp must stay within 3.5 minutes). What
+# was measured: the table took 224 s for 7 systems at 50 steps (10 + 10 + 30) and 256 beam
+# sentences, about 32 s per system, and its sync-counted steps ran at about 1/7 of the speed of
+# uncounted ones (docs/gpu.md). Everything below is an estimate from that, nothing of it measured
+# yet: at 20 steps (4 + 2 + 14; syncs per step repeat from step to step, 2 steps count them) and
+# 32 beam sentences, about 16 s per system (building 2 trainers 4 s, FLOP counting and GEMM peak
+# 1 s, warm-up 2 s, counted steps 2 s, timed steps 2 s, fp32's 20 steps 3 s, beam search 2 s),
+# 115 s for 7, plus 15 s to start: 130 s. The recipe leg: 4 chains side by side (stock and
+# multi-path 6 x 4, bf16 and fp32), each 2 fairseq-train starts (10-15 s each), 2 x 4 updates of
+# 8 or 16 micro-batches of 1,024 tokens (host-bound at d 512: about 1-1.5 s per multi-path update
+# with 4 processes on the GPU), 4 validations and 4 saves of up to 1.4 GB (multi-path with Adam's
+# state: 3-4 s each, a file and its copies): about 55 s. Together about 190 s, and 5 s for the
+# script's own start.
 CHECK_SIZES = {
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
                  max_tokens=256, mean_length=12, steps=6, warmup_steps=2, sync_steps=2,
@@ -31,10 +36,10 @@ CHECK_SIZES = {
                  recipe_updates=4, recipe_interval=2, recipe_max_tokens=256,
                  recipe_lr_warmup_updates=2, recipe_valid_sentences=24, recipe_timeout=300),
     "gpu": dict(dim=512, ffn=2048, heads=8, vocab=32000, base_layers=6, decoder_layers=6,
-                max_tokens=4096, mean_length=28, steps=30, warmup_steps=5, sync_steps=5,
-                lr_warmup_updates=5, beam_sentences=64, gemm_repeats=20, ddp_updates=20,
-                recipe_updates=6, recipe_interval=3, recipe_max_tokens=1024,
-                recipe_lr_warmup_updates=4, recipe_valid_sentences=80, recipe_timeout=240),
+                max_tokens=4096, mean_length=28, steps=20, warmup_steps=4, sync_steps=2,
+                lr_warmup_updates=5, beam_sentences=32, gemm_repeats=20, ddp_updates=20,
+                recipe_updates=4, recipe_interval=2, recipe_max_tokens=1024,
+                recipe_lr_warmup_updates=3, recipe_valid_sentences=80, recipe_timeout=240),
 }
 # train.sh's micro-batches per update: its default batch is max-tokens x GPUs x 2 for the deep
 # recipe (the check asks for that batch with --batch-tokens, for every arch)

@@ -23,9 +23,9 @@ def build_parser():
     parser.add_argument("--out", default="results/gpu-check",
                         help="folder for check.json and check.md")
     parser.add_argument("--size", choices=sorted(gpu_check.CHECK_SIZES), default="gpu",
-                        help="'gpu' (d 512, 6+6 layers; the table: 30 updates of 2 x "
-                             "4096-token micro-batches; the recipe leg: 6 updates, resumed to "
-                             "12) is the check; 'tiny' runs the same code in seconds (tests)")
+                        help="'gpu' (d 512, 6+6 layers; the table: 20 updates of 2 x "
+                             "4096-token micro-batches; the recipe leg: 4 updates, resumed to "
+                             "8) is the check; 'tiny' runs the same code in seconds (tests)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu runs everything but the sync, memory and CUDA-event figures "
                              "and the 2-GPU run")
