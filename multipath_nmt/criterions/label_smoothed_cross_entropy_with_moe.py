@@ -1,6 +1,6 @@
 """Label-smoothed cross-entropy plus lambda * the load-balance losses of every routing call.
 
-Total objective (WideNet Eq. 5, Switch form of the balance loss): CE + lambda * sum_calls l_c.
+Total objective (WideNet Eq. 8, Switch form of the balance loss): CE + lambda * sum_calls l_c.
 fairseq's loss is a SUM over the target tokens (or sentences with --sentence-avg), and the
 trainer divides the gradient by the summed ``sample_size`` of all micro-batches and workers. So
 the balance term is added as lambda * sample_size * sum_calls l_c: after that division the
