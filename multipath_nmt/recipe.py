@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -246,6 +247,17 @@ def embedding_sharing(dictionaries: Sequence[Path], choice: str = "auto") -> Lis
     return ["--share-all-embeddings"]
 
 
+def ddp_on_cpu() -> bool:
+    """``MULTIPATH_NMT_DDP_ON_CPU=1``: the GPUs counted by :func:`gpu_count` are CPU processes
+    that talk over gloo. The tests run the multi-GPU command this way on a machine without GPUs:
+    the same launcher, batch arithmetic and flags, with ``--cpu --distributed-backend gloo`` for
+    the device and the CPU's precision."""
+    value = os.environ.get("MULTIPATH_NMT_DDP_ON_CPU", "0")
+    if value not in ("0", "1"):
+        raise RecipeError(f"MULTIPATH_NMT_DDP_ON_CPU must be 0 or 1, got '{value}'")
+    return value == "1"
+
+
 def gpu_count() -> int:
     """``MULTIPATH_NMT_NUM_GPUS`` if set, else the CUDA devices torch sees."""
     value = os.environ.get("MULTIPATH_NMT_NUM_GPUS")
@@ -274,7 +286,9 @@ class Command:
 
 # train.sh's own flags (the batch and the embeddings): read here, not passed on to fairseq.
 TRAIN_SH_FLAGS = {"--max-tokens": "max_tokens", "--batch-tokens": "batch_tokens",
-                  "--embeddings": "embeddings", "--precision": "precision"}
+                  "--embeddings": "embeddings", "--precision": "precision",
+                  "--nnodes": "nnodes", "--rdzv-endpoint": "rdzv_endpoint",
+                  "--rdzv-id": "rdzv_id"}
 # fairseq-train's flags that the recipe reads too: passed on unchanged.
 READ_FAIRSEQ_FLAGS = {"--update-freq": "update_freq", "--source-lang": "source_lang",
                       "-s": "source_lang", "--target-lang": "target_lang", "-t": "target_lang"}
@@ -288,6 +302,99 @@ RECIPE_EPOCHS = 20
 # Attention and activation (ReLU) dropout of the authors' group's pre-norm deep scripts, the same
 # evidence as the per-GPU batch; fairseq's architectures default to 0 (docs/fidelity.md).
 RECIPE_DROPOUT = ["--attention-dropout", "0.1", "--activation-dropout", "0.1"]
+
+
+# More than one training process is started by torchrun (torch.distributed.run), as every
+# distributed test runs it, not by fairseq's own torch.multiprocessing.spawn: under spawn a
+# SIGTERM sent to the parent (what SLURM and Kubernetes send) never reaches the workers, and a
+# worker that stops on it (exit 143) makes the parent exit 1.
+LAUNCHER_MODULE = "torch.distributed.run"
+# Signals that fairseq-train's workers stop on, saving checkpoint_last.pt, with status 128 + the
+# signal's number (multipath_nmt/fairseq_patches/preemption.py's SIGNALS). torchrun itself would
+# SIGTERM the workers, give them 30 s, and exit 1 with a traceback; train.sh passes each of these
+# on to every worker instead, and leaves torchrun the others (SIGHUP, SIGQUIT).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+LAUNCHER_NOTE = ("SIGTERM, SIGINT and SIGUSR1 to train.sh reach every worker, which stop after the "
+                 "same update and save checkpoint_last.pt; train.sh then exits 128 + the "
+                 "signal's number, as one process does")
+
+
+def launcher_arguments(gpus: int, nodes: int = 1, rdzv_endpoint: Optional[str] = None,
+                       rdzv_id: Optional[str] = None) -> List[str]:
+    """The words between ``python`` and ``-m fairseq_cli.train``: nothing for one process
+    (fairseq-train as it is), else torchrun with ``gpus`` processes on each of ``nodes`` nodes
+    (one node: ``--standalone``, a rendezvous on a free local port; several: a c10d rendezvous
+    at ``rdzv_endpoint``, HOST:PORT of one of them, the same on every node)."""
+    if nodes > 1 and not gpus:
+        raise RecipeError(f"--nnodes {nodes} needs GPUs: no CUDA device found")
+    if nodes > 1 and not rdzv_endpoint:
+        raise RecipeError(f"--nnodes {nodes} needs --rdzv-endpoint HOST:PORT (one of the nodes, "
+                          f"the same on every node; docs/troubleshooting.md)")
+    if nodes == 1 and (rdzv_endpoint or rdzv_id):
+        raise RecipeError("--rdzv-endpoint and --rdzv-id are for several nodes: give --nnodes N")
+    if gpus * nodes <= 1:
+        return []
+    if nodes == 1:
+        rendezvous = ["--standalone"]
+    else:
+        rendezvous = ["--nnodes", str(nodes), "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", rdzv_endpoint, *(["--rdzv-id", rdzv_id] if rdzv_id else [])]
+    return ["-m", LAUNCHER_MODULE, *rendezvous, "--nproc-per-node", str(gpus)]
+
+
+def _children() -> List[int]:
+    """This process's child processes (torchrun's workers when it runs in this process)."""
+    children = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                children += [int(pid) for pid in f.read().split()]
+        except OSError:
+            pass
+    return children
+
+
+def _pass_on(signum, frame):
+    workers = _children()
+    if not workers:  # still in the rendezvous: no worker has anything to save
+        print(f"train.sh: {signal.Signals(signum).name} before the workers started: exiting with "
+              f"status {128 + signum}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    for pid in workers:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def run_launcher(argv: Sequence[str]) -> int:
+    """Run ``argv`` (``python -m torch.distributed.run ...``, from :func:`train_command`) as
+    torchrun does, in this process, with :data:`STOP_SIGNALS` passed on to every worker; the
+    exit status: 0, 128 + N when every worker stopped on signal N, else torchrun's report of the
+    workers' exits on stderr and 1."""
+    if list(argv[1:3]) != ["-m", LAUNCHER_MODULE]:
+        raise ValueError(f"not a torchrun command line: {shlex.join(argv[:3])}")
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(list(argv[3:]))
+    args.signals_to_handle = ",".join(sorted(
+        set(args.signals_to_handle.split(",")) - {s.name for s in STOP_SIGNALS}))
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _pass_on)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as error:
+        codes = {failure.exitcode for failure in error.failures.values()}
+        stops = {128 + int(signum): signal.Signals(signum).name for signum in STOP_SIGNALS}
+        if len(codes) == 1 and next(iter(codes)) in stops:
+            code = codes.pop()
+            print(f"train.sh: every worker stopped on {stops[code]} (status {code}); run the same "
+                  f"command to resume", file=sys.stderr, flush=True)
+            return code
+        print(error.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def _given_lengths(passed_on: Sequence[str]) -> dict:
@@ -367,18 +474,31 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
                                     options.get("target_lang"))
     sharing = embedding_sharing(dictionaries, options.get("embeddings", "auto"))
     gpus = gpu_count() if gpus is None else gpus
-    plan = batch_plan(recipe, gpus, _positive_int("max-tokens", options.get("max_tokens")),
+    nodes = _positive_int("--nnodes", options.get("nnodes")) or 1
+    launcher = launcher_arguments(gpus, nodes, options.get("rdzv_endpoint"),
+                                  options.get("rdzv_id"))
+    on_cpu = gpus and ddp_on_cpu()
+    workers = gpus * nodes
+    plan = batch_plan(recipe, workers, _positive_int("max-tokens", options.get("max_tokens")),
                       _positive_int("--batch-tokens", options.get("batch_tokens")),
                       _positive_int("--update-freq", options.get("update_freq")))
-    precision = choose_precision(options.get("precision", "auto"), gpus, bf16)
+    precision = choose_precision(options.get("precision", "auto"), 0 if on_cpu else gpus, bf16)
     flags = PRECISIONS[precision]
     described = f"{PRECISION_NOTES[precision]}{': ' if flags else ''}{' '.join(flags)}"
-    if gpus:
-        device = [*flags, "--distributed-world-size", str(gpus)]
-        notes = [f"{gpus} GPU(s), precision {precision} ({described}), the same for every arch"]
+    where = f"{nodes} nodes x {gpus} GPU(s)" if nodes > 1 else f"{gpus} GPU(s)"
+    if on_cpu:
+        device = [*flags, "--cpu", "--distributed-backend", "gloo",
+                  "--distributed-world-size", str(workers)]
+        notes = [f"{where} as CPU processes over gloo (MULTIPATH_NMT_DDP_ON_CPU=1), precision "
+                 f"{precision} ({described})"]
+    elif gpus:
+        device = [*flags, "--distributed-world-size", str(workers)]
+        notes = [f"{where}, precision {precision} ({described}), the same for every arch"]
     else:
         device = [*flags, "--cpu"]
         notes = [f"no CUDA device found, training in {precision} on the CPU ({described})"]
+    if launcher:
+        notes.append(f"launcher: torchrun, one process per GPU; {LAUNCHER_NOTE}")
     shared = ("all shared (joined dictionary)" if sharing else
               "nothing shared (encoder input, decoder input, output projection)")
     notes += [f"{recipe.name} recipe for {arch}: lr {recipe.lr}, {recipe.warmup_updates} warmup "
@@ -387,7 +507,7 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
               f"embeddings: {shared} for {', '.join(d.name for d in dictionaries)}"]
     length, length_note = training_length(arch, passed_on)
     notes.append(length_note)
-    argv = [python, "-m", "fairseq_cli.train", str(data_bin), "--user-dir", USER_DIR,
+    argv = [python, *launcher, "-m", "fairseq_cli.train", str(data_bin), "--user-dir", USER_DIR,
             "--arch", arch, *sharing,
             "--optimizer", "adam_fused", "--adam-betas", "(0.9, 0.997)", "--clip-norm", "0.0",
             "--lr", recipe.lr, "--lr-scheduler", "inverse_sqrt",
@@ -461,6 +581,8 @@ def _train_sh(args: List[str], dry_run: bool) -> None:
         print(f"train.sh: {line}", flush=True)
     if not dry_run:
         os.makedirs(save_dir, exist_ok=True)
+        if command.argv[1:3] == ["-m", LAUNCHER_MODULE]:
+            sys.exit(run_launcher(command.argv))
         os.execv(command.argv[0], command.argv)
 
 

@@ -2,7 +2,15 @@
 # Train with the paper's recipe on fairseq-train and the multipath_nmt plug-in.
 #   scripts/train.sh DATA_BIN SAVE_DIR --arch ARCH [--batch-tokens N] [--max-tokens N]
 #                    [--embeddings auto|shared|separate] [--precision auto|bf16|fp16|fp32]
+#                    [--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]]
 #                    [--dry-run] [fairseq-train args...]
+#
+# One process (a GPU or the CPU): fairseq-train. More GPUs: torchrun (python -m
+# torch.distributed.run), one fairseq-train per GPU, run inside this script's process, which
+# passes SIGTERM, SIGINT and SIGUSR1 on to every worker and exits 128 + the signal's number once
+# they have stopped and saved (143 for SIGTERM, as one process). Several nodes: the same command
+# on each with --nnodes N --rdzv-endpoint HOST:PORT (a c10d rendezvous at one of them;
+# docs/troubleshooting.md has the SLURM form).
 #
 # Recipe (multipath_nmt/recipe.py; docs/fidelity.md traces each item to the paper): Adam
 # (0.9, 0.997) as --optimizer adam_fused (fairseq's Adam update in one fused kernel),
@@ -30,7 +38,9 @@
 # (multipath-bench --compiled): on a 2-core CPU, 0.81-0.86x eager's speed (dynamic ParameterNet 1.10x).
 #
 # Environment: MAX_TOKENS (or --max-tokens N) caps max-tokens; MULTIPATH_NMT_NUM_GPUS overrides
-# the detected GPU count (0 = CPU); MULTIPATH_NMT_BF16=0|1 whether the GPUs have bfloat16; PYTHON selects the interpreter with multipath_nmt installed
+# the detected GPU count per node (0 = CPU); MULTIPATH_NMT_BF16=0|1 whether the GPUs have bfloat16;
+# MULTIPATH_NMT_DDP_ON_CPU=1 makes those GPUs CPU processes over gloo (the tests' stand-in);
+# PYTHON selects the interpreter with multipath_nmt installed
 # (default: python). --dry-run prints the command only.
 set -euo pipefail
 if [ $# -lt 2 ]; then

@@ -106,7 +106,7 @@ def test_ewa_needs_a_number_of_updates_for_its_schedule(fake_data_bin):
 ])
 def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, update_freq):
     proc = _dry_run(fake_data_bin, "--arch", arch, gpus=gpus)
-    _, flags = _flags(proc)
+    words, flags = _flags(proc)
     deep = not arch.startswith("transformer_prenorm")
     total = 65536 if deep else 32768
     assert (flags["--max-tokens"], flags["--update-freq"]) == (max_tokens, update_freq)
@@ -122,8 +122,53 @@ def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, 
     assert (f"train.sh: {gpus} GPU(s), precision fp16 (float16 autocast, fp32 weights, dynamic "
             "loss scaling: --amp), the same for every arch") in proc.stdout
     assert flags["--distributed-world-size"] == gpus
+    # one process per GPU, started by torchrun (not by fairseq's torch.multiprocessing.spawn)
+    launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", gpus]
+                if gpus != "1" else [])
+    assert words[1:1 + len(launcher) + 2] == [*launcher, "-m", "fairseq_cli.train"]
     moe = arch.startswith("widenet")
     assert flags["--criterion"] == ("label_smoothed_cross_entropy_with_moe" if moe else "label_smoothed_cross_entropy")
+
+
+def test_several_nodes_split_the_batch_over_every_gpu_behind_a_rendezvous(fake_data_bin):
+    proc = _dry_run(fake_data_bin, "--arch", "multipath_l6_p4_wmt_en_de", "--nnodes", "2",
+                    "--rdzv-endpoint", "node01:29500", "--rdzv-id=mp", gpus="8")
+    words, flags = _flags(proc)
+    assert words[1:13] == ["-m", "torch.distributed.run", "--nnodes", "2", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", "node01:29500", "--rdzv-id", "mp",
+                           "--nproc-per-node", "8"]
+    assert words[13:15] == ["-m", "fairseq_cli.train"]
+    assert flags["--distributed-world-size"] == "16" and "--nnodes" not in words[15:]
+    assert (flags["--max-tokens"], flags["--update-freq"]) == ("4096", "1")  # 65,536 / 16 GPUs
+    assert "train.sh: 2 nodes x 8 GPU(s), precision fp16" in proc.stdout
+    assert "train.sh: launcher: torchrun, one process per GPU; SIGTERM, SIGINT and SIGUSR1 to " \
+           "train.sh reach every worker" in proc.stdout
+
+
+def test_the_gloo_stand_in_for_gpus_changes_the_device_flags_only(fake_data_bin):
+    """MULTIPATH_NMT_DDP_ON_CPU=1, how tests/test_launcher.py runs the multi-GPU command."""
+    args = ["--arch", "transformer_prenorm_wmt_en_de", "--max-update", "9"]
+    gpu, _ = _flags(_dry_run(fake_data_bin, *args, gpus="2"))
+    cpu, _ = _flags(_dry_run(fake_data_bin, *args, gpus="2", MULTIPATH_NMT_DDP_ON_CPU="1"))
+    assert [w for w in gpu if w != "--amp"] == [w for w in cpu if w not in (
+        "--cpu", "--distributed-backend", "gloo")]
+    at = cpu.index("--cpu")
+    assert cpu[at:at + 5] == ["--cpu", "--distributed-backend", "gloo", "--distributed-world-size",
+                              "2"]
+
+
+@pytest.mark.parametrize("gpus,args,message", [
+    ("8", ["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT (one of the nodes, the "
+                             "same on every node; docs/troubleshooting.md)"),
+    ("0", ["--nnodes", "2", "--rdzv-endpoint", "a:1"], "--nnodes 2 needs GPUs: no CUDA device found"),
+    ("8", ["--rdzv-endpoint", "a:1"], "--rdzv-endpoint and --rdzv-id are for several nodes: give "
+                                      "--nnodes N"),
+    ("8", ["--nnodes", "0"], "--nnodes must be a positive integer, got '0'"),
+])
+def test_bad_node_requests_are_one_line(fake_data_bin, gpus, args, message):
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", *args, gpus=gpus,
+                    check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"train.sh: error: {message}"
 
 
 PRECISION_WORDS = ("--amp", "--bf16", "--fp16", "--memory-efficient-fp16", "--cpu")
