@@ -5,9 +5,11 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, clean_env, dictionaries_only_data_bin, run_cli
 import multipath_nmt
@@ -86,6 +88,20 @@ def test_a_resumed_run_counts_the_training_time_of_its_earlier_invocations(tmp_p
                                run_dir, study.Budget(updates=10), 100, tmp_path)
     done = json.loads((run_dir / "train.done.json").read_text())
     assert (done["wall_seconds"], done["invocations"]) == (1210.0 + 100.0, 2)
+    # every run records where, with what, in which precision, when and from which commit
+    environment = done["environment"]
+    assert environment["precision"] == "fp32" and environment["device"] == "cpu"
+    assert environment["torch"] == torch.__version__ and environment["cpu"]
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", environment["commit"])
+    assert environment["started_utc"] <= environment["ended_utc"]
+
+
+@pytest.mark.parametrize("argv, precision", [
+    (["--amp", "--bf16"], "bf16 autocast (--amp --bf16)"), (["--amp"], "fp16 autocast (--amp)"),
+    (["--fp16"], "fp16"), ([], "fp32"),
+])
+def test_run_records_name_the_training_precision(argv, precision):
+    assert study_run().training_precision(["fairseq-train", "data", *argv]) == precision
 
 
 def study_run():
@@ -894,3 +910,100 @@ def test_compile_layers_reaches_every_training_and_the_report(tmp_path, monkeypa
             dictionaries_only_data_bin(tmp_path / "bin", "en", "de", True), tmp_path / "run",
             study.Budget(updates=10), 100, tmp_path, compile_layers="aot_eager")
     assert commands[0][-2:] == ["--compile-layers", "aot_eager"]
+
+
+# --- the corrected statistics of the README (study_report / study_statistics) ----------------
+
+def test_holm_is_the_step_down_adjustment():
+    # sorted 0.01, 0.03, 0.04: x3, x2, x1, made monotone
+    assert study_statistics().holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert study_statistics().holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert study_statistics().holm([0.02]) == [0.02]
+
+
+def test_interval_over_seeds_and_the_sign_test():
+    stats = study_statistics()
+    interval = stats.t_interval([0.98, -0.14, 0.45])
+    sd = statistics.stdev([0.98, -0.14, 0.45])
+    assert interval["half_width"] == pytest.approx(4.302653 * sd / 3 ** 0.5, rel=1e-6)
+    assert stats.t_interval([0.5]) is None
+    assert stats.sign_test(3, 3) == pytest.approx(0.25)  # three seeds cannot go below it
+    assert stats.sign_test(2, 3) == pytest.approx(1.0)
+    valid = stats.valid_loss_over_seeds({"per_seed": [{"mean_difference": d}
+                                                      for d in (-0.01, -0.02, 0.005)]})
+    assert (valid["lower"], valid["seeds"], valid["sign_p"]) == (2, 3, pytest.approx(1.0))
+
+
+def _readme_studies():
+    results = ROOT / "examples" / "multi30k" / "results"
+    return {name: json.loads((results / name / "study.json").read_text())
+            for name in ("10000updates-seeds", "10000updates")}
+
+
+def test_the_readme_has_corrected_statistics_and_run_records_tables():
+    text = (ROOT / "examples" / "multi30k" / "README.md").read_text()
+    for kind in ("table", "statistics", "ablation", "records"):
+        assert f"<!-- {kind}: " in text, kind
+    # the records say what is not recorded rather than leaving it out
+    assert "not recorded" in text and "bf16 autocast (--amp --bf16) by inference" in text
+
+
+def test_the_readme_reading_quotes_the_computed_statistics():
+    """The prose quotes numbers that study_report computes: each is checked here."""
+    text = " ".join((ROOT / "examples" / "multi30k" / "README.md").read_text().split())
+    report = sys.modules["study_report"]
+    seeds, seven = (report._families(s) for s in _readme_studies().values())
+    for system in ("mp_pathnorm", "mp_cheap", "base"):
+        interval = seeds[system]["bleu"]["interval"]
+        assert (f"{interval['mean']:+.2f} [{interval['low']:+.2f}, {interval['high']:+.2f}]"
+                in text), system
+        assert 1.3 < interval["half_width"] < 1.65  # "about +-1.4"
+    valid = seeds["mp_pathnorm"]["valid"]
+    assert (valid["lower"], valid["seeds"]) == (3, 3)
+    assert f"sign test p = {valid['sign_p']:.2f}" in text
+    assert f"t-test p = {valid['t_p']:.2f}" in text
+    assert "-1.0%, -1.9%, -0.7%" in text and [f"{100 * d:.1f}" for d in valid["differences"]] == [
+        "-1.0", "-1.9", "-0.7"]
+    assert f"0.020 (six comparisons with deep) is {seven['mp_pathnorm']['bleu']['bootstrap'][0][1]:.2f}" in text
+    assert f"is {seeds['mp_pathnorm']['bleu']['bootstrap'][0][1]:.3f}" in text
+    assert f"Holm p = {seeds['mp_pathnorm']['bleu']['t_p_holm']:.2f}" in text
+    steps = [s for s in _readme_studies()["10000updates"]["systems"]
+             if s.get("vs_ablation_step")]
+    adjusted = study_statistics().holm([s["vs_ablation_step"]["per_seed"][0]["p_value"]
+                                        for s in steps])
+    learnable = next(i for i, s in enumerate(steps) if s["system"] == "mp_learnable")
+    assert f"is {adjusted[learnable]:.3f} among the three steps" in text
+    assert f"chrF 0.008 is {seeds['mp_pathnorm']['chrf']['bootstrap'][0][1]:.3f}" in text
+    # what the reading says survives the correction, and nothing else does
+    surviving = {(name, metric, index) for family in (seeds, seven)
+                 for name, system in family.items() for metric in ("bleu", "chrf")
+                 if system.get(metric)
+                 for index, (_, holm_p, _) in enumerate(system[metric]["bootstrap"])
+                 if holm_p < 0.05}
+    assert surviving == {("mp_pathnorm", "bleu", 0), ("mp_pathnorm", "chrf", 0)}
+    assert all(system[metric]["t_p_holm"] is None or system[metric]["t_p_holm"] >= 0.05
+               for family in (seeds, seven) for system in family.values()
+               for metric in ("bleu", "chrf") if system.get(metric))
+
+
+def test_run_records_fill_the_records_table_and_old_runs_say_not_recorded(tmp_path):
+    report = sys.modules["study_report"]
+    environment = {"cpu": "CPU X", "gpu": None, "torch": "2.13.0+cpu", "precision": "fp32",
+                   "started_utc": "2027-01-02T03:04:05Z", "ended_utc": "2027-01-02T04:00:00Z",
+                   "commit": "a" * 40}
+    study_json = {"machine": {"cpu": "CPU X", "torch": "2.13.0+cpu", "gpu": None},
+                  "systems": [{"runs": [{"environment": environment}]}]}
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "study.json").write_text(json.dumps(study_json))
+    study_json["systems"][0]["runs"][0]["environment"] = None
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "study.json").write_text(json.dumps(study_json))
+    rows = report.records_table(tmp_path, ["new/study.json", "old/study.json"]).splitlines()
+    assert rows[2] == ("| `new/` | 1 | CPU X | 2.13.0+cpu | fp32 | 2027-01-02 to 2027-01-02 "
+                       f"(trained) | {'a' * 40} |")
+    assert rows[3] == ("| `old/` | 1 | CPU X | 2.13.0+cpu | not recorded | not recorded | "
+                       "not recorded |")
+
+
+def study_statistics():
+    return sys.modules["study_statistics"]

@@ -13,6 +13,7 @@ from study_systems import (
     AVERAGE_LAST, BASELINE, BPE_MERGES, DEFAULT_TARGET, PLATEAU_TOLERANCE, PLATEAU_WINDOW,
     SHARED_MODEL, SHARED_RECIPE, SIGNIFICANCE_LEVEL, Budget, pair_name,
 )
+from study_statistics import holm, t_interval, valid_loss_over_seeds
 
 
 def _cell(summary, metric, digits):
@@ -108,6 +109,16 @@ def _setting(report: dict) -> str:
             + (gpu.removeprefix("NVIDIA ") if gpu else "CPU"))
 
 
+def _valid_seeds_summary(versus: Optional[dict]) -> str:
+    """The validation loss against deep's with the seed as the unit: the mean relative
+    difference over the last 20% and in how many seeds it was lower."""
+    valid = valid_loss_over_seeds((versus or {}).get("valid_loss"))
+    if valid is None:
+        return "-"
+    mean = 100 * versus["valid_loss"]["mean_difference"]
+    return f"{mean:+.1f}% (lower in {valid['lower']}/{valid['seeds']} seeds)"
+
+
 def readme_table(*reports: dict) -> str:
     """The README's table of one or more study.json files: per system its seeds, size, test scores
     (mean ± std over seeds), validation loss against deep's, and both metrics against deep (each
@@ -119,7 +130,7 @@ def readme_table(*reports: dict) -> str:
     header = (["setting"] if several else []) + [
         "system", "seeds", "params (M)", "test sacreBLEU", "test chrF",
         "valid loss vs deep, last 20%", *VERSUS_DEEP_HEADER]
-    rows = []
+    rows = []  # the valid-loss column counts seeds: a run's late validations are correlated
     for report in reports:
         setting = [_setting(report)] if several else []
         for s in report["systems"]:
@@ -127,7 +138,7 @@ def readme_table(*reports: dict) -> str:
             rows.append(setting + [
                 s["system"], ", ".join(map(str, s["seeds"])), f"{s['params'] / 1e6:.2f}",
                 _cell(s, "test_sacrebleu", 2), _cell(s, "test_chrf", 2),
-                _valid_versus_cell(versus), *_versus_deep_cells(versus)])
+                _valid_seeds_summary(versus), *_versus_deep_cells(versus)])
     kept = [i for i in range(len(header))
             if i < label_columns or any(row[i] != "-" for row in rows)]
     lines = ["| " + " | ".join(header[i] for i in kept) + " |",
@@ -136,17 +147,183 @@ def readme_table(*reports: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The README quotes the tables of study.json files between these lines, the paths (one or more,
-# separated by spaces) relative to it
-README_TABLE = re.compile(r"(<!-- table: ([^>]+?) -->\n)(.*?)(<!-- end table -->)", re.S)
+# --- corrected statistics: every family of tests Holm-adjusted, intervals over seeds ---------
+
+def _families(report: dict) -> dict:
+    """Per system compared with deep: the per-seed differences, their 95% t interval, the t-test
+    over seeds (raw and Holm-adjusted over the systems of this study.json that have one), each
+    seed's bootstrap p (raw and Holm-adjusted over the systems compared with deep in that seed),
+    for sacreBLEU ("") and chrF ("chrf_"), and the validation loss with the seed as the unit."""
+    rows = {s["system"]: s["vs_deep"] for s in report["systems"] if s.get("vs_deep")}
+    out = {name: {} for name in rows}
+    for prefix, metric in (("", "bleu"), ("chrf_", "chrf")):
+        tested = {name: v["across_seeds"][metric]["p_value"] for name, v in rows.items()
+                  if (v.get("across_seeds") or {}).get(metric)}
+        adjusted = dict(zip(tested, holm(list(tested.values()))))
+        seeds = sorted({c["seed"] for v in rows.values() for c in v["per_seed"]})
+        per_seed = {}
+        for seed in seeds:
+            family = {name: c[f"{prefix}p_value"] for name, v in rows.items()
+                      for c in v["per_seed"] if c["seed"] == seed and f"{prefix}p_value" in c}
+            per_seed[seed] = (len(family), dict(zip(family, holm(list(family.values())))))
+        for name, versus in rows.items():
+            if f"{prefix}delta" not in versus["per_seed"][0]:
+                continue
+            deltas = [c[f"{prefix}delta"] for c in versus["per_seed"]]
+            out[name][metric] = {
+                "deltas": deltas, "interval": t_interval(deltas),
+                "t_p": tested.get(name), "t_p_holm": adjusted.get(name), "t_family": len(tested),
+                "bootstrap": [(c[f"{prefix}p_value"], per_seed[c["seed"]][1][name],
+                               per_seed[c["seed"]][0]) for c in versus["per_seed"]]}
+        for name, versus in rows.items():
+            out[name]["valid"] = valid_loss_over_seeds(versus.get("valid_loss"))
+    return out
+
+
+def _difference_cell(result: Optional[dict]) -> str:
+    if not result:
+        return "-"
+    interval = result["interval"]
+    if interval is None:
+        return f"{result['deltas'][0]:+.2f}"
+    return (f"{interval['mean']:+.2f} [{interval['low']:+.2f}, {interval['high']:+.2f}]")
+
+
+def _t_cell(result: Optional[dict]) -> str:
+    if not result or result["t_p"] is None:
+        return "-"
+    return f"{result['t_p']:.3f} / {result['t_p_holm']:.3f} ({result['t_family']})"
+
+
+def _bootstrap_cell(result: Optional[dict]) -> str:
+    if not result:
+        return "-"
+    return ", ".join(f"{raw:.3f} / {holm_p:.3f} ({k})" for raw, holm_p, k in result["bootstrap"])
+
+
+def _valid_seeds_cell(valid: Optional[dict]) -> str:
+    if not valid:
+        return "-"
+    signs = "".join("-" if d < 0 else "+" for d in valid["differences"])
+    t_p = "" if valid["t_p"] is None else f"; t-test p = {valid['t_p']:.3f}"
+    return f"{valid['lower']}/{valid['seeds']} ({signs}; sign test p = {valid['sign_p']:.2f}{t_p})"
+
+
+STATISTICS_HEADER = ["system", "seeds", "sacreBLEU vs deep [95% CI]", "t-test p: raw / Holm (k)",
+                     "bootstrap p per seed: raw / Holm (k)", "chrF vs deep [95% CI]",
+                     "t-test p: raw / Holm (k)", "bootstrap p per seed: raw / Holm (k)",
+                     "valid loss lower than deep's, seeds"]
+
+
+def statistics_table(*reports: dict) -> str:
+    """The corrected statistics of one or more study.json files against deep (see _families);
+    rows of several studies start with where they ran. Columns empty in every row are dropped."""
+    several = len(reports) > 1
+    label_columns = 2 if several else 1
+    header = (["setting"] if several else []) + STATISTICS_HEADER
+    rows = []
+    for report in reports:
+        families = _families(report)
+        for s in report["systems"]:
+            if s["system"] not in families:
+                continue
+            f = families[s["system"]]
+            rows.append(([_setting(report)] if several else []) + [
+                s["system"], ", ".join(map(str, s["seeds"])),
+                _difference_cell(f.get("bleu")), _t_cell(f.get("bleu")),
+                _bootstrap_cell(f.get("bleu")), _difference_cell(f.get("chrf")),
+                _t_cell(f.get("chrf")), _bootstrap_cell(f.get("chrf")),
+                _valid_seeds_cell(f.get("valid"))])
+    kept = [i for i in range(len(header))
+            if i < label_columns or any(row[i] != "-" for row in rows)]
+    lines = ["| " + " | ".join(header[i] for i in kept) + " |",
+             "|" + "---|" * label_columns + "---:|" * (len(kept) - label_columns)]
+    lines += ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def ablation_statistics_table(report: dict) -> str:
+    """Table 4's steps (each row against the row it changes) with the bootstrap p Holm-adjusted
+    over the steps tested in each seed, and the validation loss per seed."""
+    rows = [s for s in report["systems"] if s.get("vs_ablation_step")]
+    seeds = sorted({c["seed"] for s in rows for c in s["vs_ablation_step"]["per_seed"]})
+    adjusted = {}
+    for seed in seeds:
+        family = {s["system"]: c["p_value"] for s in rows
+                  for c in s["vs_ablation_step"]["per_seed"] if c["seed"] == seed}
+        adjusted[seed] = (len(family), dict(zip(family, holm(list(family.values())))))
+    lines = ["| step | sacreBLEU difference | bootstrap p: raw / Holm (k) | "
+             "valid loss, last 20% (lower at validations) |", "|---|---:|---:|---:|"]
+    for s in rows:
+        versus = s["vs_ablation_step"]
+        cells = ", ".join(f"{c['p_value']:.3f} / {adjusted[c['seed']][1][s['system']]:.3f} "
+                          f"({adjusted[c['seed']][0]})" for c in versus["per_seed"])
+        deltas = ", ".join(f"{c['delta']:+.2f}" for c in versus["per_seed"])
+        lines.append(f"| `{versus['baseline']}` -> `{s['system']}` | {deltas} | {cells} | "
+                     f"{_valid_versus_cell(versus)} |")
+    return "\n".join(lines) + "\n"
+
+
+# Where, with what and how each study's runs trained. Runs record it themselves (result.json's
+# "environment", from study_run.run_environment); for runs made before they did, what could be
+# recovered from the committed files and git history is in the results folder's provenance.json.
+NOT_RECORDED = "not recorded"
+
+
+def _environments(report: dict, folder: Path) -> dict:
+    runs = [r for s in report["systems"] for r in s["runs"]]
+    recorded = [r.get("environment") for r in runs]
+    if recorded and all(recorded):
+        def values(key):
+            return ", ".join(sorted({str(e.get(key) or "-") for e in recorded}))
+        dates = sorted(d for e in recorded for d in (e["started_utc"], e["ended_utc"]))
+        machine = values("gpu") if any(e.get("gpu") for e in recorded) else values("cpu")
+        return {"machine": machine, "torch": values("torch"), "precision": values("precision"),
+                "dates": f"{dates[0][:10]} to {dates[-1][:10]} (trained)",
+                "commit": values("commit")}
+    provenance = folder / "provenance.json"
+    known = json.loads(provenance.read_text()) if provenance.is_file() else {}
+    machine = report["machine"]
+    return {"machine": known.get("machine") or (machine.get("gpu") or machine["cpu"]),
+            "torch": known.get("torch") or machine.get("torch") or NOT_RECORDED,
+            "precision": known.get("precision", NOT_RECORDED),
+            "dates": known.get("dates", NOT_RECORDED),
+            "commit": known.get("commit", NOT_RECORDED)}
+
+
+def records_table(readme_dir: Path, paths: List[str]) -> str:
+    """Per study.json: runs, machine, torch, training precision, dates and code commit."""
+    lines = ["| results | runs | machine | torch | precision | dates | code commit |",
+             "|---|---:|---|---|---|---|---|"]
+    for path in paths:
+        report = json.loads((readme_dir / path).read_text())
+        env = _environments(report, (readme_dir / path).parent)
+        runs = sum(len(s["runs"]) for s in report["systems"])
+        lines.append(f"| `{Path(path).parent.name}/` | {runs} | {env['machine']} | "
+                     f"{env['torch']} | {env['precision']} | {env['dates']} | "
+                     f"{env['commit']} |")
+    return "\n".join(lines) + "\n"
+
+
+# The README quotes tables of study.json files between these lines, the paths (one or more,
+# separated by spaces) relative to it: "table" (scores, readme_table), "statistics" (the
+# corrected tests, statistics_table), "ablation" (ablation_statistics_table, one file) and
+# "records" (records_table)
+README_TABLE = re.compile(
+    r"(<!-- (table|statistics|ablation|records): ([^>]+?) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 
 def readme_with_tables(readme: Path) -> str:
     """``readme`` with every marked table rendered again from the study.json files it names."""
     def render(match):
-        reports = [json.loads((readme.parent / path).read_text())
-                   for path in match.group(2).split()]
-        return match.group(1) + "\n" + readme_table(*reports) + "\n" + match.group(4)
+        kind, paths = match.group(2), match.group(3).split()
+        if kind == "records":
+            table = records_table(readme.parent, paths)
+        else:
+            reports = [json.loads((readme.parent / path).read_text()) for path in paths]
+            table = {"table": readme_table, "statistics": statistics_table,
+                     "ablation": ablation_statistics_table}[kind](*reports)
+        return match.group(1) + "\n" + table + "\n" + match.group(5)
     return README_TABLE.sub(render, readme.read_text())
 
 

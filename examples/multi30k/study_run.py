@@ -247,11 +247,14 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         # its earlier invocations too, read from their log lines
         earlier, resumed = (logged_training_seconds(train_log.read_text())
                             if train_log.is_file() else (0.0, 0))
+        started = utc_now()
         seconds = run(command, train_log)
         write_json(train_done, {"wall_seconds": round(earlier + seconds, 1),
                                 "invocations": resumed + 1, "flags": flags,
-                                "compile_layers": compile_layers})
-    wall = json.loads(train_done.read_text())["wall_seconds"]
+                                "compile_layers": compile_layers,
+                                "environment": run_environment(device, command.argv, started)})
+    done = json.loads(train_done.read_text())
+    wall = done["wall_seconds"]
 
     averaged = run_dir / "checkpoint_avg.pt"
     with IN_PROCESS:
@@ -300,6 +303,9 @@ def run_system(system: System, flags: List[str], seed: int, data_bin: Path, run_
         # training, averaging, translation and scoring; for a resumed run this invocation's and
         # the training of the earlier ones
         "run_wall_seconds": round(time.monotonic() - start + earlier, 1),
+        # where, with what and when it trained (None: trained before runs recorded it)
+        "environment": done.get("environment"),
+        "finished_utc": utc_now(),
     }
     write_json(result_path, result)
     log(f"{system.name} seed {seed}: test BLEU {result['test_bleu']:.2f} "
@@ -349,6 +355,44 @@ def restore_run(archive_dir: Path, run_dir: Path) -> bool:
         write_text_atomically(run_dir / name, (archive_dir / name).read_text())
     log(f"{run_dir}: restored from {archive_dir}")
     return True
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def training_precision(argv: Sequence[str]) -> str:
+    """The precision a fairseq-train command line trains in (train.sh's flags)."""
+    if "--amp" in argv:
+        return "bf16 autocast (--amp --bf16)" if "--bf16" in argv else "fp16 autocast (--amp)"
+    for flag in ("--memory-efficient-bf16", "--memory-efficient-fp16", "--bf16", "--fp16"):
+        if flag in argv:
+            return flag.lstrip("-")
+    return "fp32"
+
+
+def code_commit() -> Optional[str]:
+    """The checkout's commit, "+dirty" when tracked files differ from it; None outside git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def run_environment(device: str, argv: Sequence[str], started: str) -> dict:
+    """What a run record keeps of where and how it trained: the machine (CPU, GPU), torch, the
+    training precision, when training started and ended (UTC) and the code's commit."""
+    machine = machine_info(device)
+    return {"cpu": machine["cpu"], "gpu": machine["gpu"], "device": device,
+            "torch": machine["torch"], "python": machine["python"],
+            "precision": training_precision(argv), "started_utc": started,
+            "ended_utc": utc_now(), "commit": code_commit()}
 
 
 def machine_info(device: str = "cpu") -> dict:

@@ -141,3 +141,54 @@ def _compare_valid_curves(summary: dict, baseline: dict, seeds: Sequence[int]) -
             "mean_difference": statistics.fmean(c["mean_difference"] for c in per_seed),
             "lower": sum(c["lower"] for c in per_seed),
             "points": sum(c["points"] for c in per_seed)}
+
+
+# --- corrections and intervals for the README (computed from study.json, never typed) --------
+
+CONFIDENCE = 0.95
+
+
+def holm(p_values: Sequence[float]) -> List[float]:
+    """Holm's step-down adjustment of a family of p-values (same order as given): the i-th
+    smallest is multiplied by (m - i + 1), made monotone and capped at 1. A hypothesis is
+    rejected at level a when its adjusted p is below a; the family-wise error stays at most a."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def t_interval(values: Sequence[float], level: float = CONFIDENCE) -> Optional[dict]:
+    """The mean of ``values`` (per-seed differences) and its two-sided t interval over seeds:
+    mean +- t(level, n - 1) * sd / sqrt(n); None with fewer than two values."""
+    if len(values) < 2:
+        return None
+    from scipy import stats
+    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    half = float(stats.t.ppf((1 + level) / 2, len(values) - 1)) * sd / len(values) ** 0.5
+    return {"mean": mean, "half_width": half, "low": mean - half, "high": mean + half,
+            "n": len(values), "level": level}
+
+
+def sign_test(successes: int, trials: int) -> float:
+    """Two-sided exact binomial (sign) test of ``successes`` in ``trials`` against 1/2."""
+    from scipy import stats
+    return float(stats.binomtest(successes, trials, 0.5).pvalue)
+
+
+def valid_loss_over_seeds(valid_versus: Optional[dict]) -> Optional[dict]:
+    """The validation-loss comparison with the seed as the unit (validations of one run are
+    correlated): per seed the sign of the mean relative difference over the last 20%, in how
+    many seeds the system was lower, the sign test of that count and the one-sample t-test of the
+    per-seed mean differences (None with one seed)."""
+    if not valid_versus or not valid_versus.get("per_seed"):
+        return None
+    differences = [s["mean_difference"] for s in valid_versus["per_seed"]]
+    lower = sum(d < 0 for d in differences)
+    t_test = paired_t_test(differences)
+    return {"seeds": len(differences), "lower": lower, "differences": differences,
+            "sign_p": sign_test(lower, len(differences)),
+            "t_p": None if t_test is None else t_test["p_value"]}
