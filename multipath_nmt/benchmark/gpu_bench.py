@@ -292,10 +292,11 @@ def _nvidia_driver():
 
 
 def run(size_name="gpu", device="cuda", precision="bf16", only=None, compile_backend="inductor",
-        commit=None, budget_s=None, log=print):
+        commit=None, budget_s=None, log=print, on_row=None):
     """Run every row (``only``: these names) in a process of its own; returns the result dict
     that :func:`markdown_report` renders. A row not started within ``budget_s`` of the run's
-    start is reported as not run."""
+    start is reported as not run. ``on_row(result)``: called with the result so far after each
+    row (the CLI writes the reports then, so a run stopped by its lease keeps its rows)."""
     start = time.perf_counter()
     size = SIZES[size_name]
     budget_s = size["budget_s"] if budget_s is None else budget_s
@@ -303,6 +304,14 @@ def run(size_name="gpu", device="cuda", precision="bf16", only=None, compile_bac
     peaks = {d: matmul_rate(DTYPES[d], size["matmul_n"], device) for d in dtypes}
     log(f"matrix-multiply rate: {', '.join(f'{d} {r / 1e12:.1f} TFLOP/s' for d, r in peaks.items())}")
     results = {}
+    machine = environment(device, commit)
+
+    def result(rows_so_far):
+        return {"size": size_name, "shape": size, "device": device, "precision": precision,
+                "update_freq": UPDATE_FREQ, "environment": machine,
+                "matmul_peak_flops": peaks, "command": shlex.join(sys.argv),
+                "rows": dict(rows_so_far), "seconds": time.perf_counter() - start}
+
     with fake_data_dir(size["vocab"]) as data, tempfile.TemporaryDirectory() as work:
         lineup = [(n, s) for n, s in rows(data, size, device, precision, compile_backend)
                   if not only or n in only]
@@ -321,10 +330,9 @@ def run(size_name="gpu", device="cuda", precision="bf16", only=None, compile_bac
                               / peaks[spec["dtype"]])
             results[name] = row
             log(f"{name}: {json.dumps(row)[:240]}")
-    return {"size": size_name, "shape": size, "device": device, "precision": precision,
-            "update_freq": UPDATE_FREQ, "environment": environment(device, commit),
-            "matmul_peak_flops": peaks, "command": shlex.join(sys.argv),
-            "rows": results, "seconds": time.perf_counter() - start}
+            if on_row:
+                on_row(result(results))
+    return result(results)
 
 
 def _run_row(spec, size, device, work, index, timeout):

@@ -47,7 +47,8 @@ def main(argv=None):
         sys.exit(f"gpu-bench: unknown row(s) {unknown}; choose from {known}")
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     result = gpu_bench.run(args.size, args.device, precision, args.only, args.compile_backend,
-                           args.commit, args.budget_s, log=log)
+                           args.commit, args.budget_s, log=log,
+                           on_row=lambda partial: gpu_bench.write_reports(partial, args.out))
     gpu_bench.write_reports(result, args.out)
     print(gpu_bench.markdown_report(result))
     print(f"wrote {args.out}/gpu-bench.json and gpu-bench.md", file=sys.stderr)
