@@ -1,16 +1,23 @@
 """Mixed precision through fairseq's own optimizer wrappers, checked update by update against
 plain fp32 Adam on the CPU (``multipath_nmt/fairseq_patches/mixed_precision.py``): ``--amp``
 with a CPU ``GradScaler`` standing in for the CUDA one, ``--fp16`` with its flat fp32 master,
-``--memory-efficient-fp16``, and bfloat16 (``--amp --bf16`` autocast, fairseq's ``--bf16``)."""
+``--memory-efficient-fp16``, and bfloat16 (``--amp --bf16`` autocast, fairseq's ``--bf16``).
+Also: a non-finite gradient without loss scaling stops as in fp32, and a resumed fp16 ``--amp``
+run keeps its loss scale."""
 import copy
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import multipath_nmt  # noqa: F401  (registers adam_fused, installs the patches)
 from helpers.optimizers import build_wrapped
-from helpers.training import load_model_state, run, train_command
+from conftest import clean_env
+from helpers.training import (SMALL_BATCHES, assert_same_tensors, load_model_state, run,
+                              train_command)
+from multipath_nmt.fairseq_patches.mixed_precision import SCALER_STATE
 
 SCALE = 128.0
 TRAIN_LOSS = re.compile(r"\d+ / \d+ loss=([0-9.]+),")  # train_inner lines, --log-format simple
@@ -178,3 +185,219 @@ def test_fairseq_train_in_bf16_on_the_cpu(toy_data_bin, tmp_path):
     assert losses["fp32"][-1] < 0.9 * losses["fp32"][0]
     for name in ("amp-bf16", "bf16"):
         assert abs(losses[name][-1] - losses["fp32"][-1]) < 0.03 * losses["fp32"][-1], name
+
+
+# --- a non-finite gradient without loss scaling -------------------------------------------------
+
+def amp_without_a_scaler(wrapper, params):
+    """AMPOptimizer as --amp --bf16 builds it, or as --amp on a machine without CUDA (fairseq's
+    CUDA GradScaler disables itself there; the same disabled scaler on any machine)."""
+    optimizer = build_wrapped("adam", wrapper, params)
+    if wrapper == "amp":
+        optimizer._grad_scaler = torch.amp.GradScaler("cpu", enabled=False)
+    assert not optimizer.scaler.is_enabled()
+    return optimizer
+
+
+@pytest.mark.parametrize("wrapper", ["amp-bf16", "amp"])
+def test_amp_without_a_scaler_stops_at_a_non_finite_gradient_as_fp32_does(wrapper):
+    """fairseq treated the NaN/Inf as an fp16 overflow and asked the disabled scaler for a lower
+    scale: AttributeError '_backoff_factor'. Now clip_grad_norm raises fairseq's fp32 error
+    inside the trainer's train_step (fp32's path: crash.pt, the update named), and nothing
+    steps: the weights and Adam's state are untouched."""
+    start = torch.tensor([0.5, -0.25, 1.0])
+    p = torch.nn.Parameter(start.clone())
+    optimizer = amp_without_a_scaler(wrapper, [p])
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(FloatingPointError, match=r"^gradients are Nan/Inf$"):
+            scaled_step(optimizer, [p], [torch.tensor([bad, 1e-3, 2e-3])])
+        assert torch.equal(p.detach(), start)
+        assert not optimizer.optimizer.state  # Adam never stepped
+
+
+@pytest.mark.parametrize("wrapper", ["amp-bf16", "amp"])
+@pytest.mark.parametrize("clip_norm", [0.0, 1e-3])
+def test_amp_without_a_scaler_steps_on_finite_gradients_as_fp32_does(wrapper, clip_norm):
+    """Finite gradients: the same norm, the same clipping and the same update, to the bit, as
+    the fp32 optimizer (what fairseq's clip_grad_norm did before, through a no-op unscale_)."""
+    start, grads = torch.tensor([0.5, -0.25, 1.0]), torch.tensor([1e-5, -3e-3, 2.5e-1])
+    results = []
+    for name in ("fp32", wrapper):
+        p = torch.nn.Parameter(start.clone())
+        optimizer = (build_wrapped("adam", "fp32", [p]) if name == "fp32"
+                     else amp_without_a_scaler(wrapper, [p]))
+        norms = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            optimizer.backward((p * grads).sum())
+            norms.append(optimizer.clip_grad_norm(clip_norm))
+            optimizer.step()
+        results.append((torch.stack(norms), p.detach().clone()))
+    (fp32_norms, fp32_p), (amp_norms, amp_p) = results
+    assert torch.equal(amp_norms, fp32_norms) and torch.equal(amp_p, fp32_p)
+    assert not torch.equal(amp_p, start)
+
+
+DIVERGES = [*SMALL_BATCHES, "--lr", "1e10", "--lr-scheduler", "fixed", "--max-update", "20"]
+NON_FINITE = re.compile(r"^\S*NonFiniteLossError: (.*)$", re.M)
+
+
+@pytest.mark.slow
+def test_fairseq_train_amp_bf16_stops_at_a_non_finite_gradient_as_fp32_does(toy_data_bin,
+                                                                              tmp_path):
+    """Adam at lr 1e10: update 1 blows the weights up, update 2's gradients are NaN/Inf. fp32
+    stops there with one error naming update 2 and saves crash.pt before any step; --amp
+    --bf16 (and CPU --amp, whose CUDA scaler is disabled) now do exactly the same, where they
+    crashed with an AttributeError and no update number."""
+    errors = {}
+    for name, precision in (("fp32", []), ("amp-bf16", ["--amp", "--bf16"]),
+                            ("amp-cpu", ["--amp"])):
+        save = tmp_path / name
+        proc = subprocess.run(train_command(toy_data_bin, save, "baseline", *DIVERGES, *precision),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=clean_env(), timeout=180)
+        assert proc.returncode == 1, proc.stdout[-3000:]
+        assert "AttributeError" not in proc.stdout
+        assert "num_updates=1," in proc.stdout and "num_updates=2," not in proc.stdout, name
+        errors[name] = NON_FINITE.findall(proc.stdout.replace(str(save), "SAVE"))
+        crash, updates = load_model_state(save / "crash.pt")  # saved before update 2's step
+        assert updates == 1
+        assert all(torch.isfinite(t).all() for t in crash.values() if t.is_floating_point())
+    assert errors["fp32"][0].startswith("non-finite loss or gradients at update 2: gradients "
+                                        "are Nan/Inf. The model before this update is in "
+                                        "SAVE/crash.pt")
+    assert errors["amp-bf16"] == errors["amp-cpu"] == errors["fp32"]
+
+
+# --- the fp16 AMP loss scale across a resume -----------------------------------------------------
+
+def amp_with_a_cpu_scaler(params, growth_interval=2):
+    optimizer = build_wrapped("adam", "amp", params)
+    optimizer._grad_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE,
+                                                  growth_interval=growth_interval)
+    return optimizer
+
+
+def test_amp_optimizer_state_holds_the_loss_scaler_state():
+    """fairseq saved --fp16's loss scale (FP16Optimizer) but not --amp's: a resume started again
+    at 128 with a fresh growth count. The state dict now holds the scaler's state, the torch
+    optimizer still gets exactly its own state dict, and the scaler's flags stay the command
+    line's."""
+    p = torch.nn.Parameter(torch.tensor([0.5, -0.25]))
+    optimizer = amp_with_a_cpu_scaler([p])
+    for _ in range(3):  # 128 -> 256 after two clean steps, then one more: tracker at 1
+        scaled_step(optimizer, [p], [torch.tensor([1e-3, -2e-3])])
+    state = optimizer.state_dict()
+    assert state[SCALER_STATE] == optimizer.scaler.state_dict()
+    assert (state[SCALER_STATE]["scale"], state[SCALER_STATE]["_growth_tracker"]) == (256.0, 1)
+
+    resumed = amp_with_a_cpu_scaler([torch.nn.Parameter(torch.zeros(2))], growth_interval=5)
+    resumed.load_state_dict(copy.deepcopy(state))
+    assert resumed.scaler.state_dict() == {**state[SCALER_STATE], "growth_interval": 5}
+    torch_state = {k: v for k, v in state.items() if k != SCALER_STATE}
+    assert str(resumed.optimizer.state_dict()) == str(torch_state)
+
+
+def test_a_checkpoint_without_the_scaler_state_loads_with_fairseqs_initial_scale():
+    """Checkpoints saved before this patch (or by a bf16 run) have no scaler state: the Adam
+    state loads, the scale is fairseq's initial one. A bf16 optimizer (disabled scaler) saves
+    none and ignores one it is given."""
+    p = torch.nn.Parameter(torch.tensor([0.5, -0.25]))
+    optimizer = amp_with_a_cpu_scaler([p])
+    for _ in range(2):
+        scaled_step(optimizer, [p], [torch.tensor([1e-3, -2e-3])])
+    state = optimizer.state_dict()
+    assert optimizer.scaler.get_scale() == 2 * SCALE
+    old = {k: v for k, v in state.items() if k != SCALER_STATE}
+
+    resumed = amp_with_a_cpu_scaler([torch.nn.Parameter(torch.zeros(2))])
+    resumed.load_state_dict(copy.deepcopy(old))
+    assert resumed.scaler.get_scale() == SCALE
+    assert str(resumed.optimizer.state_dict()) == str(old)
+
+    bf16 = build_wrapped("adam", "amp-bf16", [torch.nn.Parameter(torch.zeros(2))])
+    bf16.load_state_dict(copy.deepcopy(state))
+    assert str(bf16.optimizer.state_dict()) == str(old)
+    assert SCALER_STATE not in bf16.state_dict()
+
+
+# fairseq-train --amp as on a GPU, on the CPU: fairseq's CUDA GradScaler is disabled without CUDA
+# and its autocast is CUDA's, so this driver gives AMPOptimizer an enabled CPU GradScaler and runs
+# the criterion under float16 CPU autocast. The growth interval is 2 (fairseq's --amp-scale-window
+# sets another flag's value): the scale doubles every second clean update, 128 -> 8192 by update
+# 12, and fp16 gradients overflow there.
+AMP_ON_THE_CPU = """
+from fairseq_cli import train  # first: it sets up fairseq's log format
+import torch
+from fairseq.optim.amp_optimizer import AMPOptimizer
+from fairseq.tasks.fairseq_task import FairseqTask
+
+def with_cpu_scaler(init):
+    def __init__(self, cfg, *args, **kwargs):
+        init(self, cfg, *args, **kwargs)
+        self._grad_scaler = torch.amp.GradScaler(
+            "cpu", init_scale=cfg.common.fp16_init_scale, growth_interval=2)
+    return __init__
+
+def under_fp16_autocast(train_step):
+    def train_step_fp16(self, sample, model, criterion, *args, **kwargs):
+        def criterion_fp16(*criterion_args, **criterion_kwargs):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return criterion(*criterion_args, **criterion_kwargs)
+        return train_step(self, sample, model, criterion_fp16, *args, **kwargs)
+    return train_step_fp16
+
+AMPOptimizer.__init__ = with_cpu_scaler(AMPOptimizer.__init__)
+FairseqTask.train_step = under_fp16_autocast(FairseqTask.train_step)
+train.cli_main()
+"""
+LOSS_SCALE = re.compile(r"\bloss_scale=([0-9.e+]+)")
+UPDATE = re.compile(r"\bnum_updates=(\d+)\b")
+
+
+def amp_on_the_cpu(data, save, updates):
+    cmd = train_command(data, save, "baseline", *SMALL_BATCHES, "--amp", "--max-update", updates,
+                        "--no-epoch-checkpoints")
+    output = run([sys.executable, "-c", AMP_ON_THE_CPU, *cmd[3:]])
+    scales = {}  # update -> the loss scale after it, from the train_inner lines
+    for line in output.splitlines():
+        scale, update = LOSS_SCALE.search(line), UPDATE.search(line)
+        if scale and update and " / " in line:
+            scales[int(update.group(1))] = float(scale.group(1))
+    return scales, output
+
+
+def saved_training_state(save):
+    from fairseq import checkpoint_utils
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(save / "checkpoint_last.pt"))
+    optimizer = state["last_optimizer_state"]
+    return state["model"], optimizer["state"], optimizer.get(SCALER_STATE)
+
+
+@pytest.mark.slow
+def test_fp16_amp_resume_keeps_the_loss_scale_and_is_bit_exact(toy_data_bin, tmp_path):
+    """7 updates, save, resume, 7 more: the weights, Adam's moments and the scaler's state are
+    those of 14 uninterrupted updates, to the bit, and the loss scale logged after the resume is
+    the uninterrupted run's (stock fairseq restarted at 128 with a fresh growth count, so it
+    took other overflows and skips). Update 7 ends at scale 1024 with the growth tracker at 1;
+    the uninterrupted run overflows after the resume point."""
+    whole, output = amp_on_the_cpu(toy_data_bin, tmp_path / "whole", 14)
+    assert "AMP: overflow detected" in output
+    first, _ = amp_on_the_cpu(toy_data_bin, tmp_path / "resumed", 7)
+    _, _, at_7 = saved_training_state(tmp_path / "resumed")
+    resumed, output = amp_on_the_cpu(toy_data_bin, tmp_path / "resumed", 14)
+    assert "Loaded checkpoint" in output and "num_updates=7," not in output
+    assert sorted(whole) == list(range(1, 15)) and sorted(first) == list(range(1, 8))
+    assert {**first, **resumed} == whole
+    assert min(resumed) == 8 and resumed[8] != SCALE
+    assert (at_7["scale"], at_7["_growth_tracker"]) == (1024.0, 1)
+
+    model, adam, scaler = saved_training_state(tmp_path / "resumed")
+    whole_model, whole_adam, whole_scaler = saved_training_state(tmp_path / "whole")
+    assert_same_tensors(model, whole_model)
+    assert sorted(adam) == sorted(whole_adam)
+    for key, moments in whole_adam.items():  # step (an int in fairseq's Adam), exp_avg, ...
+        assert_same_tensors({k: torch.as_tensor(v) for k, v in adam[key].items()},
+                            {k: torch.as_tensor(v) for k, v in moments.items()})
+    assert scaler == whole_scaler and scaler["scale"] != SCALE

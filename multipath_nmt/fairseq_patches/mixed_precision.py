@@ -26,10 +26,29 @@ What fairseq 0.12 does, and what is changed:
   while the saved graph ran in half precision, so the gradients were those of another function.
   The recomputation now runs under the autocast state of the forward pass (what
   ``torch.utils.checkpoint`` does).
+* A non-finite gradient norm without loss scaling (``--amp --bf16``; also ``--amp`` on a machine
+  without CUDA, where fairseq's CUDA ``GradScaler`` disables itself) crashed with
+  ``AttributeError: 'GradScaler' object has no attribute '_backoff_factor'``:
+  ``AMPOptimizer.clip_grad_norm`` treats every non-finite norm as an fp16 overflow and asks the
+  scaler for the next, lower scale, which a disabled scaler does not have. Giving it one would be
+  worse: the trainer then retries the batch and steps anyway (a disabled scaler never skips a
+  step), on NaN gradients. Without a scaler there is no overflow to retry at a lower scale, so
+  ``clip_grad_norm`` now raises fairseq's fp32 error, ``FloatingPointError("gradients are
+  Nan/Inf")``, inside ``Trainer.train_step``: the fp32 path follows (``crash.pt``, fairseq's
+  ``NanDetector`` re-run, the error naming the update from ``numerics``), and no step is taken.
+* ``--amp``'s loss scale was not saved: fairseq saves ``--fp16``'s (``FP16Optimizer.state_dict``
+  holds ``loss_scale``), but ``AMPOptimizer`` inherits the plain optimizer's state dict, so a
+  resumed fp16 AMP run started again at ``--fp16-init-scale`` (128) with a fresh growth count.
+  The enabled scaler's state (``GradScaler.state_dict()``: scale and growth tracker) is now saved
+  in the optimizer state under :data:`SCALER_STATE` and restored on resume; the scaler's
+  hyper-parameters (growth and backoff factors, growth interval) come from the command line, like
+  every other flag on resume. A checkpoint without it (older, or bf16) leaves fairseq's initial
+  scale; a disabled scaler (bf16) saves nothing and ignores a saved state.
 """
 import contextlib
 import functools
 import importlib.util
+import logging
 import sys
 
 import torch
@@ -37,6 +56,14 @@ import torch
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
+
+# Where the loss scaler's state lives in the optimizer's state dict (``last_optimizer_state`` of a
+# checkpoint), next to the torch optimizer's ``state`` and ``param_groups``.
+SCALER_STATE = "amp_grad_scaler"
+# What the command line sets, not the checkpoint (GradScaler.state_dict() saves them too).
+SCALER_FLAGS = ("growth_factor", "backoff_factor", "growth_interval")
+
+logger = logging.getLogger(__name__)
 
 
 def _step_what_was_unscaled(step):
@@ -60,6 +87,54 @@ def _no_loss_scaling_in_bf16(init):
             self._grad_scaler = torch.amp.GradScaler(device, enabled=False)
 
     return __init__
+
+
+def _no_overflow_without_a_scaler(clip_grad_norm):
+    @functools.wraps(clip_grad_norm)
+    def clip_grad_norm_as_in_fp32(self, max_norm, aggregate_norm_fn=None):
+        if self.scaler.is_enabled():
+            return clip_grad_norm(self, max_norm, aggregate_norm_fn)
+        # Nothing was scaled (unscale_ of a disabled scaler does nothing), so a non-finite norm is
+        # no overflow to retry at a lower scale: raise what fairseq's trainer raises in fp32, in
+        # its train_step, before any optimizer step (a disabled scaler would step on NaNs)
+        grad_norm = self.fp32_optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)
+        if not torch.isfinite(grad_norm).all():
+            raise FloatingPointError("gradients are Nan/Inf")
+        return grad_norm
+
+    return clip_grad_norm_as_in_fp32
+
+
+def _save_the_loss_scale(state_dict):
+    @functools.wraps(state_dict)
+    def state_dict_with_scaler(self):
+        state = state_dict(self)
+        if self.scaler.is_enabled():  # a disabled scaler has no state (bf16: nothing to save)
+            state = {**state, SCALER_STATE: self.scaler.state_dict()}
+        return state
+
+    return state_dict_with_scaler
+
+
+def _restore_the_loss_scale(load_state_dict):
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_scaler(self, state_dict, optimizer_overrides=None):
+        saved = None
+        if isinstance(state_dict, dict) and SCALER_STATE in state_dict:
+            saved = state_dict[SCALER_STATE]
+            # the torch optimizer gets the state dict it made, as without this patch
+            state_dict = {k: v for k, v in state_dict.items() if k != SCALER_STATE}
+        load_state_dict(self, state_dict, optimizer_overrides)
+        if not self.scaler.is_enabled():
+            return
+        if saved is None:
+            logger.info("the checkpoint holds no AMP loss scaler state (an older checkpoint, "
+                        "or a bf16 run's): the loss scale starts at %s", self.scaler.get_scale())
+            return
+        self.scaler.load_state_dict({**saved, **{
+            flag: getattr(self.scaler, f"get_{flag}")() for flag in SCALER_FLAGS}})
+
+    return load_state_dict_with_scaler
 
 
 def _tpu_only_with_torch_xla(parse_args_and_arch):
@@ -157,6 +232,9 @@ def install():
 
     wrap(AMPOptimizer, "step", _step_what_was_unscaled)
     wrap(AMPOptimizer, "__init__", _no_loss_scaling_in_bf16)
+    wrap(AMPOptimizer, "clip_grad_norm", _no_overflow_without_a_scaler)
+    wrap(AMPOptimizer, "state_dict", _save_the_loss_scale)
+    wrap(AMPOptimizer, "load_state_dict", _restore_the_loss_scale)
     wrap(options, "parse_args_and_arch", _tpu_only_with_torch_xla)
     wrap(Trainer, "__init__", _keep_fp32_weights_under_amp_bf16)
     wrap(FairseqTask, "train_step", _autocast_to_bf16)
