@@ -646,6 +646,30 @@ def test_a_failed_recipe_run_is_reported_and_exits_3(monkeypatch, tmp_path, caps
     assert f"**fail: {failure}" in (tmp_path / "check.md").read_text()
 
 
+def test_a_recipe_chain_that_breaks_or_a_train_sh_that_refuses_is_a_failed_row(monkeypatch):
+    def broken(argv, log_path, timeout):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gpu_check_recipe, "run_fairseq_train", broken)
+    monkeypatch.setattr(gpu_check_recipe, "TRAIN_SH", str(ROOT / "scripts" / "train.sh"))
+    systems = gpu_check.check_systems(TINY)
+    with fake_data_dir(TINY["vocab"]) as dictionaries:
+        leg = gpu_check.recipe_leg([gpu_check.STOCK], systems, TINY, "bf16", "cpu",
+                                   dictionaries, log=lambda line: None)
+        assert leg["systems"][gpu_check.STOCK] == {
+            "error": "bf16: OSError: disk full; fp32: OSError: disk full"}
+        monkeypatch.setattr(gpu_check_recipe, "TRAIN_SH", str(ROOT / "scripts" / "nope.sh"))
+        leg = gpu_check.recipe_leg([gpu_check.STOCK], systems, TINY, "bf16", "cpu",
+                                   dictionaries, log=lambda line: None)
+    error = leg["systems"][gpu_check.STOCK]["error"]
+    assert error.startswith("RecipeLegError: bash ") and "printed no fairseq-train command" in error
+    assert gpu_check.failed(dict(systems={}, recipe=leg))
+    report = gpu_check.markdown_report(dict(
+        machine="CPU", device="cpu", precision="bf16", size="tiny", shape={}, data=None,
+        systems={}, table=False, recipe=leg, max_gap_of_fall=gpu_check.MAX_GAP_OF_FALL))
+    assert f"| {gpu_check.STOCK} | **failed: RecipeLegError: bash " in report
+
+
 def test_recipe_leg_switches(tmp_path):
     proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
                     "--no-table", "--no-recipe"], check=False)

@@ -344,15 +344,26 @@ def recipe_leg(names, systems, size, precision, device, dictionaries, data=None,
             futures = {(name, label): pool.submit(run_chain, argv, updates,
                                                    size["recipe_timeout"])
                        for name, label, argv in chains}
-            done = {key: future.result() for key, future in futures.items()}
+            done = {}
+            for key, future in futures.items():
+                try:
+                    done[key] = future.result()
+                except Exception as error:  # a chain that broke is a finding; report the rest
+                    done[key] = error
     for name, per in commands.items():
+        broken = [f"{label}: {type(done[name, label]).__name__}: {done[name, label]}"
+                  for label in per if isinstance(done[name, label], Exception)]
+        if broken:
+            rows[name] = {"error": "; ".join(broken)}
+            log(f"recipe leg, {name}: {rows[name]['error']}")
+            continue
         rows[name] = summarize(name, per, {label: done[name, label] for label in per},
                                precision, updates)
         rows[name]["seconds"] = max(
             c["run"]["seconds"] + (c["resume"]["seconds"] if c["resume"] else 0)
             for c in rows[name]["chains"].values())
         log(f"recipe leg, {name}: {json.dumps(rows[name]['failed_checks'])}")
-    return dict(systems=rows, updates=updates, interval=size["recipe_interval"],
+    return dict(systems={name: rows[name] for name in names}, updates=updates, interval=size["recipe_interval"],
                 max_tokens=size["recipe_max_tokens"],
                 lr_warmup_updates=size["recipe_lr_warmup_updates"], jobs=jobs,
                 gpus=gpus, seconds=time.perf_counter() - start)
