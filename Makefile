@@ -20,14 +20,17 @@ $(VENV)/.installed: setup.py
 
 # The import contracts (.importlinter, docs/architecture.md) first: they take a second.
 # --no-cache: no .import_linter_cache directory in the checkout.
+# --durations: the 15 slowest steps close every run, so the time sinks stay in sight.
+DURATIONS ?= --durations=15
 test: install
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs $(DURATIONS) tests
 
-# The loop while you work: every test but the slow ones (trainings, end-to-end runs; conftest.py
-# marks the tests on a training fixture). CI runs `make test`.
+# The loop while you work: every test but the slow ones (trainings, end-to-end runs: the tests
+# marked slow, and those on a fixture that requests `trains`; tests/conftest.py). CI runs
+# `make test`.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" $(DURATIONS) tests
 
 quickstart: install
 	bash scripts/quickstart.sh

@@ -1,6 +1,20 @@
-"""Shared fixtures: a tiny binarized corpus, fairseq CLI runners, the optional Multi30k data."""
+"""Shared fixtures: a tiny binarized corpus, fairseq CLI runners, models trained once per session
+for every module that only reads them, the optional Multi30k data.
+
+Slow tests: trainings, end-to-end runs of fairseq or the scripts, full-size models. A test is slow
+when it carries the ``slow`` mark (``@pytest.mark.slow`` or its module's ``pytestmark``);
+``make test-fast`` leaves those out. A fixture that trains says so by requesting the fixture
+:func:`trains`; every test that uses it, directly or through other fixtures, then gets the mark
+at collection (from pytest's public ``item.fixturenames``: no list of names to keep up to date, a
+renamed fixture keeps its mark). It cannot fail open silently: a test without the mark that
+trains through the suite's runners (``run_fairseq("train", ...)``, ``helpers.training.run``)
+fails with a line that says to mark it or its fixture (:func:`fail_unless_marked_slow`); in
+``make test-fast`` that catches any training fixture that forgot ``trains``.
+"""
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +66,48 @@ def run_fairseq(tool, *args, check=True, env=None, user_dir=True):
     cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *args]
     if user_dir:
         cmd += ["--user-dir", USER_DIR]
-    return run_cli(cmd, check=check, env=env)
+    proc = run_cli(cmd, check=check, env=env)
+    if tool == "train":
+        fail_unless_marked_slow(proc.stdout + proc.stderr, "fairseq-train")
+    return proc
+
+
+# --- slow tests (see the module docstring) --------------------------------------------------
+
+# A fairseq log line after an update: ``num_updates=3`` (train_inner) or ``| num_updates 3``.
+UPDATES_LOGGED = re.compile(r"\bnum_updates[= ]([1-9]\d*)\b")
+_running = []  # the test being set up, run or torn down
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+def fail_unless_marked_slow(output, what):
+    """Fail the running test if it is not marked slow and ``output`` (of ``what``) shows updates:
+    a training that would otherwise slip into ``make test-fast`` unnoticed."""
+    item = _running[-1] if _running else None
+    if item is None or item.get_closest_marker("slow") or not UPDATES_LOGGED.search(output):
+        return
+    pytest.fail(f"{item.nodeid} trains ({what}) but is not marked slow: add @pytest.mark.slow, "
+                "or have the fixture that trains request the `trains` fixture", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def trains():
+    """Requested by every fixture that trains: the tests using that fixture are marked slow."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m "not slow"`` deselects
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "trains" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 def write_toy_parallel(folder, n_train=300, n_valid=40, seed=0):
@@ -106,26 +161,48 @@ def _deterministic_torch():
     yield
 
 
-# The fixtures that run fairseq-train, as (test module, fixture): a test that uses one, directly
-# or through another fixture, trains, and is marked slow (`make test-fast` leaves it out).
-TRAINING_FIXTURES = {
-    ("test_average", "run_dir"), ("test_checkpoints", "run_dir"), ("test_compat", "trained"),
-    ("test_convert_ewa", "ewa_checkpoint"), ("test_data_checks", "checkpoint"),
-    ("test_hub", "checkpoints"), ("test_numerics", "runs"), ("test_serving", "dense_checkpoints"),
-}
+# --- models trained once per session ---------------------------------------------------------
+# Modules that only read a trained model share these instead of each training its own on the
+# toy corpus. A test that writes into the run's folder (a resume, a converted file) works on a
+# copy (copy_run) or writes elsewhere: the fixtures are read-only for everyone.
+
+TOY_BASELINE = ["--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL, *TRAIN_FLAGS]
+TOY_EWA = ["--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL, "--ewa-layers", "last-4",
+           "--ewa-share-rate", "0.3"]
+# Learnable in a few hundred updates: a higher rate than TRAIN_FLAGS' (flags after them win).
+FAST_LEARNING = ["--lr", "0.003", "--warmup-updates", "50", "--no-epoch-checkpoints"]
 
 
-def _uses_a_training_fixture(item):
-    definitions = getattr(item, "_fixtureinfo", None)
-    for name in getattr(item, "fixturenames", ()):
-        for fixture in (definitions.name2fixturedefs.get(name, ()) if definitions else ()):
-            if (fixture.func.__module__.rsplit(".", 1)[-1], fixture.func.__name__) in \
-                    TRAINING_FIXTURES:
-                return True
-    return False
+@pytest.fixture(scope="session")
+def toy_baseline_run(trains, toy_data_bin, tmp_path_factory):
+    """The save dir of the pre-norm baseline (TOY_BASELINE) after 3 updates (checkpoint_last.pt
+    and the like). ``run_fairseq("train", toy_data_bin, *TOY_BASELINE, "--save-dir", copy)``
+    resumes a copy of it."""
+    save = tmp_path_factory.mktemp("toy-baseline") / "ckpt"
+    run_fairseq("train", toy_data_bin, *TOY_BASELINE, "--max-update", "3", "--save-dir", save)
+    return save
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if _uses_a_training_fixture(item):
-            item.add_marker(pytest.mark.slow)
+@pytest.fixture(scope="session")
+def toy_ewa_run(trains, toy_data_bin, tmp_path_factory):
+    """The save dir of an EWA model (TOY_EWA: both encoder layers, share rate 0.3) after 100
+    updates that learn the toy task (FAST_LEARNING): checkpoint_last.pt."""
+    save = tmp_path_factory.mktemp("toy-ewa") / "ckpt"
+    run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *TOY_EWA, "--max-update", "100",
+                *FAST_LEARNING, "--save-dir", save)
+    return save
+
+
+def copy_run(run_dir, folder):
+    """A copy of the save dir ``run_dir`` in ``folder``, for a test that writes into it."""
+    return Path(shutil.copytree(run_dir, Path(folder) / run_dir.name))
+
+
+def in_parallel(jobs, workers=2):
+    """{name: job()} for {name: job}, two at a time: each training is one single-threaded
+    process (clean_env), so two use both cores of a CI runner and give the same checkpoints."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}

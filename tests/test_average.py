@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # every test here uses a real fairseq-train run
 
 
 @pytest.fixture(scope="module")
-def run_dir(toy_data_bin, tmp_path_factory):
+def run_dir(trains, toy_data_bin, tmp_path_factory):
     """Three epochs of a tiny model: checkpoint{1,2,3}.pt and update checkpoints every 4 updates."""
     save_dir = tmp_path_factory.mktemp("avg") / "ckpt"
     run_fairseq("train", toy_data_bin, "--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL,

@@ -40,7 +40,7 @@ class Foreign:
 
 
 @pytest.fixture(scope="module")
-def run_dir(toy_data_bin, tmp_path_factory):
+def run_dir(trains, toy_data_bin, tmp_path_factory):
     """A finished baseline run: checkpoint_1_4/8/12.pt and checkpoint_last.pt (= update 12)."""
     save = tmp_path_factory.mktemp("run") / "ckpt"
     run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", RUN_UPDATES,

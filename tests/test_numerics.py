@@ -116,7 +116,7 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def runs(toy_data_bin, tmp_path_factory):
+def runs(trains, toy_data_bin, tmp_path_factory):
     def start(name):
         save = tmp_path_factory.mktemp(name)
         cmd = train_command(toy_data_bin, save, "baseline", *RUNS[name])

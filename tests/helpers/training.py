@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env
+from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, fail_unless_marked_slow
 
 UPDATE_LOGGED = re.compile(r"num_updates=(\d+)")
 CHECKPOINT_SAVED = re.compile(r"Saved checkpoint \S+ \(epoch \d+ @ \d+ updates")
@@ -63,6 +63,7 @@ def run(cmd, timeout=180, env=None):
         _fail(cmd, f"was killed after a {timeout} s timeout", output)
     if proc.returncode != 0:
         _fail(cmd, f"exited {proc.returncode}", output)
+    fail_unless_marked_slow(output, " ".join(map(str, cmd[:3])))
     return output
 
 
