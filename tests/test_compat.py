@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
+from conftest import TOY_BASELINE, copy_run, run_fairseq
 
 from multipath_nmt.checkpoints import UntrustedCheckpointError
 from multipath_nmt.fairseq_patches import checkpoints as checkpoint_patches
@@ -17,12 +17,12 @@ class NotAllowListed:
 
 
 @pytest.fixture(scope="module")
-def trained(toy_data_bin, tmp_path_factory):
-    save = tmp_path_factory.mktemp("compat") / "ck"
-    common = [toy_data_bin, "--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL, *TRAIN_FLAGS,
-              "--save-dir", save]
-    first = run_fairseq("train", *common, "--max-update", "3")
-    return common, save, first
+def trained(toy_baseline_run, toy_data_bin, tmp_path_factory):
+    """(the flags that resume it, its save dir, None): the session's 3-update baseline, copied
+    because the resume test trains on in it."""
+    save = copy_run(toy_baseline_run, tmp_path_factory.mktemp("compat"))
+    common = [toy_data_bin, *TOY_BASELINE, "--save-dir", save]
+    return common, save, None
 
 
 def test_namespace_is_allowed_and_nothing_more(trained, tmp_path):

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq
+from conftest import TINY_MODEL, run_cli, run_fairseq
 from helpers.models import build_like_fairseq_train
 
 from multipath_nmt.cli.convert_ewa import main
@@ -17,18 +17,14 @@ GENERATE = ["--gen-subset", "test", "--beam", "2", "--max-len-a", "0", "--max-le
 
 
 @pytest.fixture(scope="module")
-def ewa_checkpoint(toy_data_bin, tmp_path_factory):
-    """A tiny EWA model (both encoder layers EWA) after 3 fp32 updates."""
-    folder = tmp_path_factory.mktemp("ewa")
-    run_fairseq("train", toy_data_bin, "--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL,
-                *TRAIN_FLAGS, "--ewa-layers", "last-4", "--ewa-share-rate", "0.3",
-                "--max-update", "3", "--save-dir", folder, "--no-epoch-checkpoints")
-    return folder / "checkpoint_last.pt"
+def ewa_checkpoint(toy_ewa_run):
+    """A tiny EWA model (both encoder layers EWA) after 100 fp32 updates (the session's)."""
+    return toy_ewa_run / "checkpoint_last.pt"  # read only
 
 
 @pytest.fixture(scope="module")
-def converted(ewa_checkpoint):
-    out = ewa_checkpoint.parent / "stock.pt"
+def converted(ewa_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("converted") / "stock.pt"  # not next to the shared checkpoint
     run_cli(["multipath-convert-ewa", ewa_checkpoint, out])
     return out
 

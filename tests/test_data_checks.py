@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import run_fairseq
-from helpers.training import SMALL_BATCHES, run, train_command
+from helpers.training import SMALL_BATCHES, train_command
 
 from multipath_nmt.data_bins import (DataBinError, check_dictionary, check_indexed_file,
                                      check_split, rebuild_advice)
@@ -131,10 +131,8 @@ def test_fairseq_train_says_one_line_before_the_first_update(name, toy_data_bin,
 
 
 @pytest.fixture(scope="module")
-def checkpoint(toy_data_bin, tmp_path_factory):
-    save = tmp_path_factory.mktemp("generate") / "ckpt"
-    run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 2))
-    return save / "checkpoint_last.pt"
+def checkpoint(toy_baseline_run):
+    return toy_baseline_run / "checkpoint_last.pt"  # read only
 
 
 # A dictionary of another size than the model's embeddings is already one line of the checkpoint

@@ -12,7 +12,7 @@ import argparse
 
 import pytest
 import torch
-from conftest import TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq
+from conftest import FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, in_parallel, run_cli, run_fairseq
 
 from multipath_nmt.ewa_folding import fold_state_dict
 from multipath_nmt.params import build_model
@@ -116,24 +116,25 @@ DENSE = {
     "baseline": ["--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL, "--max-update", "300"],
     "deep": ["--arch", "transformer_deep12_wmt_en_de", *TINY_MODEL, "--encoder-layers", "4",
              "--max-update", "300"],
-    "ewa": ["--arch", "ewa_transformer_wmt_en_de", *TINY_MODEL, "--ewa-layers", "last-4",
-            "--ewa-share-rate", "0.3", "--max-update", "100"],
 }
-# Learnable in a few hundred updates: a higher rate than TRAIN_FLAGS' (flags after them win).
-FAST = ["--lr", "0.003", "--warmup-updates", "50", "--no-epoch-checkpoints"]
+# the EWA model is the session's toy_ewa_run (TOY_EWA, 100 updates, FAST_LEARNING)
+FAST = FAST_LEARNING
 
 
 @pytest.fixture(scope="module")
-def dense_checkpoints(toy_data_bin, tmp_path_factory):
+def dense_checkpoints(trains, toy_data_bin, toy_ewa_run, tmp_path_factory):
     """The baseline, a deeper baseline and an EWA model folded by multipath-convert-ewa, trained
-    briefly on the toy corpus."""
-    found = {}
-    for name, flags in DENSE.items():
-        folder = tmp_path_factory.mktemp(name)
-        run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *flags, *FAST, "--save-dir", folder)
-        found[name] = folder / "checkpoint_last.pt"
-    folded = found["ewa"].parent / "folded.pt"
-    run_cli(["multipath-convert-ewa", found.pop("ewa"), folded])
+    briefly on the toy corpus (the two baselines side by side)."""
+    def training(name, flags):
+        def train():
+            folder = tmp_path_factory.mktemp(name)
+            run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *flags, *FAST, "--save-dir", folder)
+            return folder / "checkpoint_last.pt"
+        return train
+
+    found = in_parallel({name: training(name, flags) for name, flags in DENSE.items()})
+    folded = tmp_path_factory.mktemp("folded") / "folded.pt"  # not next to the shared checkpoint
+    run_cli(["multipath-convert-ewa", toy_ewa_run / "checkpoint_last.pt", folded])
     found["folded ewa"] = folded
     return found
 
