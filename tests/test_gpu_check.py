@@ -632,6 +632,7 @@ def test_the_recipe_leg_resumes_at_update_k_and_compares_with_fp32(monkeypatch):
     (dict(resume_from=0), "bf16 resume did not start from checkpoint_last.pt at update 4"),
     (dict(fail=("resume", 1)), "bf16 resume exited with 1"),
     (dict(fail=("run", 2)), "bf16 run exited with 2 (not resumed)"),
+    (dict(fail=("resume", None)), "bf16 resume ran past its time limit and was killed after"),
 ])
 def test_a_failed_recipe_run_is_reported_and_exits_3(monkeypatch, tmp_path, capsys, fake,
                                                      failure):

@@ -182,16 +182,23 @@ def run_chain(argv, updates, timeout):
     return dict(run=first, resume=resume)
 
 
+def _ended(run):
+    """How a failed run ended, for its row."""
+    if run["exit_status"] is None:
+        return f"ran past its time limit and was killed after {run['seconds']:.0f} s"
+    return f"exited with {run['exit_status']}"
+
+
 def chain_failures(chain, updates, label):
     """What one chain fails: exit statuses, a validation in each run, the resume from
     checkpoint_last.pt at update ``updates`` and continuing to twice that."""
     first, resume = chain["run"], chain["resume"]
     if resume is None:
-        return [f"{label} run exited with {first['exit_status']} (not resumed)"]
+        return [f"{label} run {_ended(first)} (not resumed)"]
     failed = []
     for name, run in (("run", first), ("resume", resume)):
         if run["exit_status"] != 0:
-            failed.append(f"{label} {name} exited with {run['exit_status']}")
+            failed.append(f"{label} {name} {_ended(run)}")
         elif not run["valid"]:
             failed.append(f"{label} {name}: no validation in its log")
     if first["exit_status"] == 0 and (not first["losses"] or first["losses"][-1][0] != updates):

@@ -14,7 +14,8 @@ from multipath_nmt.benchmark.systems import System, systems_for
 # ``recipe_updates`` (K) per run, then resumed to 2K, a save and a validation every
 # ``recipe_interval`` updates, micro-batches of ``recipe_max_tokens`` (train.sh's update-freq
 # kept), ``recipe_valid_sentences`` in the valid split, each process killed after
-# ``recipe_timeout`` seconds.
+# ``recipe_timeout`` seconds (on the GPU 4 times what one should take: a hung process must not
+# eat the device time).
 #
 # Time on one H200 (scripts/gpu-check.sh --no-bench --no-ddp must stay within 3.5 minutes). What
 # was measured: the table took 224 s for 7 systems at 50 steps (10 + 10 + 30) and 256 beam
@@ -39,7 +40,7 @@ CHECK_SIZES = {
                 max_tokens=4096, mean_length=28, steps=20, warmup_steps=4, sync_steps=2,
                 lr_warmup_updates=5, beam_sentences=32, gemm_repeats=20, ddp_updates=20,
                 recipe_updates=4, recipe_interval=2, recipe_max_tokens=1024,
-                recipe_lr_warmup_updates=3, recipe_valid_sentences=80, recipe_timeout=240),
+                recipe_lr_warmup_updates=3, recipe_valid_sentences=80, recipe_timeout=120),
 }
 # train.sh's micro-batches per update: its default batch is max-tokens x GPUs x 2 for the deep
 # recipe (the check asks for that batch with --batch-tokens, for every arch)
