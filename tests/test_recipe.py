@@ -4,7 +4,7 @@ translation files of translate.sh (the command lines are tested through train.sh
 --dry-run)."""
 import pytest
 
-from multipath_nmt.recipe import (BASE, DEEP, PRECISIONS, RecipeError, batch_plan,
+from multipath_nmt.recipe import (ARCH_RECIPES, BASE, DEEP, PRECISIONS, RecipeError, batch_plan,
                                   choose_precision, criterion_for_arch, dictionary_files,
                                   embedding_sharing, finish_translation, recipe_for_arch)
 from conftest import dictionaries_only_data_bin
@@ -202,3 +202,26 @@ def test_finish_translation_sorts_by_sentence_id_and_refuses_an_unfinished_outpu
                                           f"left in {partial}$"):
         finish_translation(tmp_path / "valid")
     assert partial.exists() and not (tmp_path / "valid.generate").exists()
+
+
+def test_every_architecture_the_plug_in_registers_has_a_recipe_row():
+    """A new arch without a row in ARCH_RECIPES fails here (train.sh would refuse it), and every
+    row names an arch that fairseq knows once the plug-in is loaded."""
+    import multipath_nmt  # noqa: F401  (registers the plug-in's architectures)
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    ours = {arch for arch, function in ARCH_CONFIG_REGISTRY.items()
+            if function.__module__.startswith("multipath_nmt.")}
+    assert len(ours) >= 23 and "multipath_l6_p4_wmt_en_de" in ours
+    assert sorted(ours - set(ARCH_RECIPES)) == []
+    assert sorted(set(ARCH_RECIPES) - set(ARCH_CONFIG_REGISTRY)) == []
+    assert set(ARCH_RECIPES.values()) == {BASE, DEEP}
+
+
+@pytest.mark.parametrize("arch", ["transformer_vaswani_wmt_en_de_big", "my_multipath_variant", ""])
+def test_an_arch_without_a_row_is_refused_not_given_a_recipe(arch):
+    with pytest.raises(RecipeError) as error:
+        recipe_for_arch(arch)
+    assert str(error.value) == (
+        f"unknown arch '{arch}': no recipe for it in multipath_nmt/recipe/archs.py's "
+        f"ARCH_RECIPES; add a row (BASE or DEEP) for it there")

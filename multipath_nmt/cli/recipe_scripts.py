@@ -1,0 +1,56 @@
+"""scripts/train.sh and scripts/translate.sh (``scripts/run-recipe.sh`` runs :func:`main`): print
+the plan and the command that :mod:`multipath_nmt.recipe` builds, then run it. No argparse:
+every argument but ``--dry-run`` goes to the library, which passes fairseq's on unread."""
+import os
+import shlex
+import subprocess
+import sys
+from typing import List
+
+from multipath_nmt.recipe import (LAUNCHER_MODULE, RecipeError, finish_translation,
+                                  generate_command, run_launcher, train_command)
+
+
+def _train_sh(args: List[str], dry_run: bool) -> None:
+    data_bin, save_dir, args = args[0], args[1], args[2:]
+    if os.environ.get("MAX_TOKENS"):  # a cap that the command line's --max-tokens replaces
+        args = [f"--max-tokens={os.environ['MAX_TOKENS']}", *args]
+    command = train_command(data_bin, save_dir, args)
+    for line in command.notes + [shlex.join(command.argv)]:
+        print(f"train.sh: {line}", flush=True)
+    if not dry_run:
+        os.makedirs(save_dir, exist_ok=True)
+        if command.argv[1:3] == ["-m", LAUNCHER_MODULE]:
+            sys.exit(run_launcher(command.argv))
+        os.execv(command.argv[0], command.argv)
+
+
+def _translate_sh(args: List[str], dry_run: bool) -> None:
+    data_bin, checkpoint, out, args = args[0], args[1], args[2], args[3:]
+    command = generate_command(data_bin, checkpoint, args)
+    for line in command.notes + [f"{shlex.join(command.argv)} > {out}.generate"]:
+        print(f"translate.sh: {line}", flush=True)
+    if dry_run:
+        return
+    with open(f"{out}.generate.tmp", "wb") as generated:
+        code = subprocess.call(command.argv, stdout=generated)
+    if code:
+        sys.exit(code)
+    count = finish_translation(out)
+    print(f"translate.sh: wrote {out}.generate, {out}.hyp ({count} lines) and {out}.ref")
+
+
+def main(argv=None):
+    """train.sh and translate.sh (``train.sh DATA_BIN SAVE_DIR ARGS...`` or ``translate.sh
+    DATA_BIN CHECKPOINT OUT ARGS...``): print the plan and the command, then run it (train.sh
+    becomes fairseq-train; translate.sh writes OUT.generate, OUT.hyp and OUT.ref) unless
+    ``--dry-run`` is among the arguments; one error line and exit 1 on a bad request."""
+    tool, *args = sys.argv[1:] if argv is None else argv
+    run = {"train.sh": _train_sh, "translate.sh": _translate_sh}[tool]
+    try:
+        run([a for a in args if a != "--dry-run"], "--dry-run" in args)
+    except RecipeError as error:
+        sys.exit(f"{tool}: error: {error}")
+    except ImportError as error:
+        sys.exit(f"{tool}: error: cannot count GPUs ({error}); activate the environment or set "
+                 "PYTHON")

@@ -1,0 +1,75 @@
+"""The device side of train.sh and translate.sh: how many GPUs, whether they have bfloat16, and
+the precision every arch trains in. torch is imported only to ask about CUDA, and only when the
+environment does not say (``MULTIPATH_NMT_NUM_GPUS``, ``MULTIPATH_NMT_BF16``)."""
+import os
+from typing import Optional
+
+from multipath_nmt.recipe.archs import RecipeError
+
+# train.sh's --precision: fairseq's flags for each. bf16 and fp16 are both autocast over fp32
+# weights (--amp): every arch trains the same way, and multi-path's path and residual weights
+# keep fp32 gradients, which overflow in fp16 at loss scales the stock model takes
+# (docs/fidelity.md, 'Architecture and GPU-scale numerics'). bf16 needs no loss scaling;
+# docs/gpu.md says why autocast rather than fairseq's all-bf16 --bf16.
+PRECISIONS = {
+    "bf16": ["--amp", "--bf16"],
+    "fp16": ["--amp"],
+    "fp32": [],
+}
+PRECISION_NOTES = {
+    "bf16": "bfloat16 autocast, fp32 weights, no loss scaling",
+    "fp16": "float16 autocast, fp32 weights, dynamic loss scaling",
+    "fp32": "float32",
+}
+
+
+def gpu_supports_bf16() -> bool:
+    """``MULTIPATH_NMT_BF16`` (1 or 0) if set, else whether the first CUDA GPU computes in
+    bfloat16 natively (Ampere and later)."""
+    value = os.environ.get("MULTIPATH_NMT_BF16")
+    if value is not None:
+        if value not in ("0", "1"):
+            raise RecipeError(f"MULTIPATH_NMT_BF16 must be 0 or 1, got '{value}'")
+        return value == "1"
+    import torch
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def choose_precision(choice: str, gpus: int, bf16: Optional[bool] = None) -> str:
+    """train.sh's ``--precision`` (auto, bf16, fp16, fp32) -> the precision trained in, the same
+    for every arch: ``auto`` is bf16 on GPUs that have it, fp16 on older GPUs, fp32 on the CPU.
+    ``bf16``: whether the GPUs have bfloat16 (default: :func:`gpu_supports_bf16`)."""
+    if choice not in ("auto", *PRECISIONS):
+        raise RecipeError(f"--precision must be auto, bf16, fp16 or fp32, got {choice!r}")
+    if gpus and choice in ("auto", "bf16"):
+        bf16 = gpu_supports_bf16() if bf16 is None else bf16
+        if choice == "bf16" and not bf16:
+            raise RecipeError("--precision bf16: this GPU has no native bfloat16 (it needs "
+                              "compute capability 8.0 or later); use --precision fp16")
+        return "bf16" if bf16 else "fp16"
+    if not gpus and choice == "fp16":
+        raise RecipeError("--precision fp16 needs a CUDA GPU (its loss scaler and float16 "
+                          "autocast are CUDA's); on the CPU use --precision bf16 or fp32")
+    return "fp32" if choice == "auto" else choice
+
+
+def ddp_on_cpu() -> bool:
+    """``MULTIPATH_NMT_DDP_ON_CPU=1``: the GPUs counted by :func:`gpu_count` are CPU processes
+    that talk over gloo. The tests run the multi-GPU command this way on a machine without GPUs:
+    the same launcher, batch arithmetic and flags, with ``--cpu --distributed-backend gloo`` for
+    the device and the CPU's precision."""
+    value = os.environ.get("MULTIPATH_NMT_DDP_ON_CPU", "0")
+    if value not in ("0", "1"):
+        raise RecipeError(f"MULTIPATH_NMT_DDP_ON_CPU must be 0 or 1, got '{value}'")
+    return value == "1"
+
+
+def gpu_count() -> int:
+    """``MULTIPATH_NMT_NUM_GPUS`` if set, else the CUDA devices torch sees."""
+    value = os.environ.get("MULTIPATH_NMT_NUM_GPUS")
+    if value is not None:
+        if not value.isdigit():
+            raise RecipeError(f"MULTIPATH_NMT_NUM_GPUS must be a number, got '{value}'")
+        return int(value)
+    import torch
+    return torch.cuda.device_count()
