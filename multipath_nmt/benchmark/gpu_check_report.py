@@ -26,9 +26,10 @@ def markdown_report(result):
     lines = [
         f"Machine: {result['machine']}; device {result['device']}, {result['precision']} "
         f"(`{flags}`); size `{result['size']}` {json.dumps(result['shape'])}; batches: "
-        f"{result['data'] or 'synthetic, length-varied'}. MFU: measured training FLOPs per "
-        "token x tokens/s / the best rate this device reached on the model's own matrix "
-        "products (`gemm_peak_flops` in check.json).", "",
+        f"{result['data'] or 'synthetic, length-varied'}. Speed is `scripts/gpu-bench.sh`'s "
+        "(BENCHMARKS.md), not the check's: the few steps it times, right after its "
+        "sync-counted ones, gave the stock model 6,878 tokens/s on an H200 where gpu-bench "
+        "measured 49,211 (docs/bench/gpu-check-h200.json, gpu-bench-h200.json).", "",
     ]
     if result.get("table") is False:
         lines += ["The per-family table: not run (--no-table).", ""]
@@ -44,7 +45,7 @@ def markdown_report(result):
             "check's updates; each system's command is `command` in check.json. Of its "
             f"{result['shape']['steps']} updates, the first {result['shape']['warmup_steps']} "
             f"warm up, the next {result['shape'].get('sync_steps', 0)} count the synchronizations "
-            "and the rest are timed (tokens/s, MFU). fp32: the same "
+            "and the rest are timed (the timing stays in check.json). fp32: the same "
             "updates from the same seed on the same batches in fp32; the gap (last loss minus "
             "fp32's, base 2) passes within "
             f"{100 * result['max_gap_of_fall']:.0f}% of the loss fall fp32 reached. "
@@ -64,18 +65,17 @@ def table_lines(result):
     from multipath_nmt.attention import format_attention_calls
 
     systems = result["systems"]
-    stock = systems.get(STOCK, {}).get("tokens_per_s")
     ddp_gpus = result.get("ddp_gpus") or DDP_GPUS
     lines = [
         "| system | loss finite | loss first -> last | skipped steps (overflows) | loss scale "
-        "start -> lowest -> end | sync warnings per step | peak MiB | tokens/s | vs stock | MFU "
+        "start -> lowest -> end | sync warnings per step | peak MiB "
         "| beam fp16 = fp32 | BLEU fp16 vs fp32 | loss falls | fp32 first -> last | gap vs "
         f"fp32 (of its fall) | fairseq-train on {ddp_gpus} GPUs | seconds | verdict |",
-        "|" + "---|" * 18,
+        "|" + "---|" * 15,
     ]
     for name, r in systems.items():
         if "error" in r:
-            lines.append(f"| {name} | **failed: {r['error'][:200]}** |" + " |" * 14
+            lines.append(f"| {name} | **failed: {r['error'][:200]}** |" + " |" * 11
                          + f" {_number(r.get('seconds'), '.0f')} | **failed** |")
             continue
         scales = [s for s in r["loss_scales"] if s is not None]
@@ -84,7 +84,6 @@ def table_lines(result):
         losses = (f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}" if r["losses"] else "")
         syncs = _number(r["sync_warnings_per_step"], ".1f")
         memory = _number(r["peak_memory_mib"], ".0f")
-        versus = f"{r['tokens_per_s'] / stock:.2f}x" if stock else ""
         beam = r["beam_fp16_vs_fp32"]
         fell = {True: "yes", False: "**no**", None: ""}[r.get("loss_fell")]
         fp32, gap = r.get("fp32"), r.get("vs_fp32")
@@ -107,7 +106,6 @@ def table_lines(result):
         lines.append(
             f"| {name} | {'yes' if r['losses_finite'] else '**no**'} | {losses} | "
             f"{r['skipped']} of {r['steps']} ({r['overflows']}) | {scale} | {syncs} | {memory} | "
-            f"{r['tokens_per_s']:.0f} | {versus} | {100 * r['mfu']:.1f}% | "
             f"{100 * beam['identical']:.0f}% of "
             f"{beam['sentences']} | {beam['bleu']:.1f} | {fell} | {fp32} | {gap or ''} | "
             f"{ddp or ''} | {_number(r.get('seconds'), '.0f')} | {verdict} |")
