@@ -89,6 +89,9 @@ preemption        ``fairseq_cli.train.train``                                 SI
                                                                                                                                                  tests/test_preemption.py::test_asynchronous_writes_are_awaited_before_the_exit
                   ``checkpoint_utils.save_checkpoint``                        records the last update saved, so that a stop does   fairseq 0.12  tests/test_preemption.py::test_two_ranks_stop_after_the_same_update_when_one_is_signalled
                                                                               not save the same update twice
+                  ``Trainer.train_step``,                                     the ranks' stop flag rides in fairseq's all-reduce   fairseq 0.12  tests/test_preemption.py::test_the_stop_decision_adds_no_host_sync_per_update
+                  ``Trainer._aggregate_logging_outputs``                      of the update's statistics: no collective, copy or
+                                                                              read of its own per update
 compile_layers    ``options.add_optimization_args``                           ``--compile-layers [BACKEND]``: fairseq 0.12         fairseq 0.12  tests/test_compile.py::test_fairseq_train_compiled_matches_eager_and_saves_eager_keys
                                                                               predates ``torch.compile``; a training flag                        tests/test_compile.py::test_compile_flag_refuses_bad_input_in_one_line
                   ``Trainer.__init__``                                        compiles the encoder and decoder layers' training    torch >= 2.1  tests/test_compile.py::test_every_family_compiles_without_graph_breaks_or_recompiles
@@ -101,9 +104,10 @@ model the others' ``__init__`` has placed and cast), and ``options.parse_args_an
 help_flags, then mixed_precision; the wrappers of each group look at different flags. ``sys.excepthook`` by
 checkpoints, then data_bins (each prints its own error class on one line and passes anything else
 on). ``Trainer.train_step`` is
-wrapped twice: numerics first (inner), then ewa_trainer (outer), as before this package existed.
-Either order gives the same training (the EWA flag only has to be set while fairseq's
-``train_step`` runs, and is cleared in a ``finally`` whatever numerics raises or skips); the order
+wrapped three times: numerics first (inner), then ewa_trainer, then preemption (outer: it only
+marks that a ``train_step`` is running, for its ``_aggregate_logging_outputs`` wrapper). Any order
+gives the same training (the EWA and preemption flags only have to be set while fairseq's
+``train_step`` runs, and are cleared in a ``finally`` whatever numerics raises or skips); the order
 is fixed so that every process and every traceback has the same stack.
 ``tests/test_fairseq_patches.py`` checks the order, that a second :func:`install` wraps nothing
 again, and that every test named above exists.
