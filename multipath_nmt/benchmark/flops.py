@@ -3,12 +3,11 @@ counter) and the peak rate it is judged against (a 1024^3 matmul, or the best of
 matrix products, which matters on a GPU whose rate depends on the shapes)."""
 import collections
 import contextlib
-import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from multipath_nmt.benchmark.timing import clock, elapsed_seconds, synchronize
+from multipath_nmt.benchmark.timing import elapsed_seconds, time_update_windows
 from multipath_nmt.modules.moe import pop_all_routing_stats
 
 
@@ -29,16 +28,13 @@ def training_flops_per_token(trainer, sample):
 
 
 def matmul_peak_flops(device, dtype, n=1024, repeats=10):
+    """The FLOP rate of an n x n x n matrix product in ``dtype``, best of ``repeats`` after
+    three warm-up products, each timed alone by :func:`time_update_windows`."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(repeats):
-        synchronize(device)
-        start = clock(device)
+    for _ in range(3):
         torch.mm(a, b)
-        synchronize(device)
-        best = min(best, clock(device) - start)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / min(time_update_windows(lambda: torch.mm(a, b), repeats, 1, device))
 
 
 class GemmShapes(TorchDispatchMode):

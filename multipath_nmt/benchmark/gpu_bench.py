@@ -43,7 +43,7 @@ import time
 import torch
 
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
-from multipath_nmt.benchmark.flops import training_flops_per_token
+from multipath_nmt.benchmark.flops import matmul_peak_flops, training_flops_per_token
 from multipath_nmt.benchmark.gpu_check_setup import check_command, model_flags
 from multipath_nmt.benchmark.micro_batch import update_profile
 from multipath_nmt.benchmark.report import git_commit
@@ -256,17 +256,6 @@ def _row_main(spec_path, out_path):
 
 # --- the whole run -----------------------------------------------------------------------------
 
-def matmul_rate(dtype, n, device, repeats=10):
-    """The FLOP rate of an n x n x n matrix product in ``dtype`` on this device, best of
-    ``repeats`` after warm-up: what MFU is judged against."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(3):
-        torch.mm(a, b)
-    seconds = time_update_windows(lambda: torch.mm(a, b), repeats, 1, device)
-    return 2 * n ** 3 / min(seconds)
-
-
 def environment(device, commit=None):
     """Where the figures come from: device, driver, versions, commit."""
     def version(package):
@@ -305,7 +294,7 @@ def run(size_name="gpu", device="cuda", precision="bf16", only=None, compile_bac
     size = SIZES[size_name]
     budget_s = size["budget_s"] if budget_s is None else budget_s
     dtypes = sorted({"fp16" if device == "cuda" else "fp32", precision})
-    peaks = {d: matmul_rate(DTYPES[d], size["matmul_n"], device) for d in dtypes}
+    peaks = {d: matmul_peak_flops(device, DTYPES[d], size["matmul_n"]) for d in dtypes}
     log(f"matrix-multiply rate: {', '.join(f'{d} {r / 1e12:.1f} TFLOP/s' for d, r in peaks.items())}")
     results = {}
     machine = environment(device, commit)
