@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_env, run_cli, run_fairseq
+from conftest import clean_env, run_cli, run_command, run_fairseq
 from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
 
 from multipath_nmt import checkpoints
@@ -259,7 +259,7 @@ def test_mismatched_dictionary_generate_and_resume(run_dir, toy_data_bin, small_
     save = tmp_path / "ckpt"
     shutil.copytree(run_dir, save)
     command = train_command(small_vocabulary_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 20)
-    proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+    proc = run_command(command, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith(says.replace(str(checkpoint), str(save / "checkpoint_last.pt"))
                                                          + " (and dictionaries) the model was trained on")
@@ -316,7 +316,7 @@ def test_a_damaged_restore_file_the_user_named_stops_with_one_line(run_dir, toy_
     damaged.write_bytes((run_dir / "checkpoint_1_8.pt").read_bytes()[:1000])
     command = train_command(toy_data_bin, tmp_path / "ckpt", "baseline", *SMALL_BATCHES, "--max-update", 2,
                             "--restore-file", damaged)
-    proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+    proc = run_command(command, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"train.py: error: {damaged}: truncated checkpoint (1000 bytes, the end of its zip archive is "

@@ -3,8 +3,6 @@ compile without graph breaks, stop compiling after the first batches, train like
 eager checkpoints. The backends here generate no code ("eager", "aot_eager"), so the suite stays
 fast; inductor's speed and agreement are multipath-bench's (``--compiled``)."""
 import collections
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from helpers.training import (
 from multipath_nmt.benchmark.batches import fake_data_dir, synthetic_batch
 from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
 from multipath_nmt.fairseq_patches import compile_layers
-from conftest import clean_env
+from conftest import run_command
 
 SIZE = dict(SIZES["tiny"], dim=16, ffn=32, heads=2, vocab=60)
 # (batch, length) of successive batches: the first few may compile (dynamic shapes, the decoder's
@@ -166,8 +164,7 @@ def test_compile_flag_refuses_bad_input_in_one_line(toy_data_bin, tmp_path):
     """An unknown backend is an argparse error naming the choices; with
     --checkpoint-activations, one line saying why."""
     base = train_command(toy_data_bin, tmp_path, "baseline", "--max-update", "1")
-    bad = subprocess.run([*base, "--compile-layers", "nosuch"], capture_output=True, text=True,
-                         env=clean_env(), timeout=120)
+    bad = run_command([*base, "--compile-layers", "nosuch"], timeout=120)
     assert bad.returncode == 2
     assert "unknown torch.compile backend 'nosuch'; choose one of" in bad.stderr
     assert "aot_eager" in bad.stderr and "inductor" in bad.stderr

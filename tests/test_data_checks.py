@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_fairseq
+from conftest import run_command, run_fairseq
 from helpers.training import SMALL_BATCHES, train_command
 
 from multipath_nmt.data_bins import (DataBinError, check_dictionary, check_indexed_file,
@@ -124,7 +124,7 @@ def _assert_one_line(proc, tool, data, name, split):
 def test_fairseq_train_says_one_line_before_the_first_update(name, toy_data_bin, tmp_path):
     data = _damaged_copy(toy_data_bin, tmp_path, name, "train")
     command = train_command(data, tmp_path / "ckpt", "baseline", *TRAIN)
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    proc = run_command(command, timeout=300)
     _assert_one_line(proc, "train", data, name, "train")
     assert "num_updates=" not in proc.stdout  # stopped before the first update
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
@@ -238,7 +238,7 @@ def test_the_advised_command_rebuilds_a_prepared_data_bin_byte_for_byte(tmp_path
     prepare = [BIN / "multipath-prepare", "corpus", "--src", "en", "--tgt", "de",
                "--bpe-merges", "60", "--out", out,
                *[arg for s in ("train", "valid", "test") for arg in (f"--{s}", text / s)]]
-    subprocess.run(list(map(str, prepare)), check=True, capture_output=True, timeout=300)
+    assert run_command(prepare, timeout=300).returncode == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     _truncate(out / "train.en-de.de.bin", 0.5)
 

@@ -3,7 +3,6 @@
 Every run is single-threaded (``clean_env``) so CPU results are bit-reproducible, and every
 subprocess has a hard timeout so a hung run fails the test instead of the CI job.
 """
-import os
 import re
 import signal
 import socket
@@ -15,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, fail_unless_marked_slow
+from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, fail_unless_marked_slow,
+                      run_command)
+from helpers.preloaded_python import kill_tree
 
 UPDATE_LOGGED = re.compile(r"num_updates=(\d+)")
 CHECKPOINT_SAVED = re.compile(r"Saved checkpoint \S+ \(epoch \d+ @ \d+ updates")
@@ -53,42 +54,15 @@ def _fail(cmd, what_happened, output):
 def run(cmd, timeout=180, env=None):
     """Run to completion; fail the test with the output on a non-zero exit or a timeout (which
     kills the whole process tree, torchrun workers included). Returns the output."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env or clean_env())
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        output, _ = proc.communicate()
-        _fail(cmd, f"was killed after a {timeout} s timeout", output)
+        proc = run_command(cmd, env=env, timeout=timeout, merge_stderr=True)
+    except subprocess.TimeoutExpired as timed_out:
+        _fail(cmd, f"was killed after a {timeout} s timeout", timed_out.output or "")
+    output = proc.stdout
     if proc.returncode != 0:
         _fail(cmd, f"exited {proc.returncode}", output)
     fail_unless_marked_slow(output, " ".join(map(str, cmd[:3])))
     return output
-
-
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
-    except OSError:  # already gone
-        return []
-
-
-def kill_tree(pid):
-    """SIGKILL a process and all its descendants at once, like a crashing machine.
-
-    torchrun starts its workers in their own sessions, so killing the agent (or its process
-    group) would leave the workers training on."""
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo.extend(_children(tree[-1]))
-    for member in reversed(tree):  # workers before the agent, so none is restarted
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def run_until_killed(cmd, kill_at_update, timeout=180):

@@ -1,0 +1,246 @@
+"""``python -m MODULE ARGS...`` for the tests without paying for the imports every time.
+
+A fresh Python spends about 7 s of this project's 2 CPU cores importing torch and fairseq before
+``fairseq-train`` reads its first flag; the suite starts hundreds of such processes. This module
+keeps one server process that has imported them (:data:`PRELOADED`, nothing of ``multipath_nmt``,
+whose import installs the patches a command's environment chooses), and runs each command in a
+child forked from it: the child takes the command's environment, working directory and output
+files, runs the module as ``__main__`` (``runpy``, as ``python -m`` does), then exits the way the
+interpreter does: uncaught errors through ``sys.excepthook``, non-daemon threads joined, the
+command's ``atexit`` functions run, the exit status of ``SystemExit``.
+
+What a child does not share with a fresh process, and so is never forked
+(:meth:`PreloadedPython.forkable`): anything decided when the interpreter starts. Commands whose environment differs from the
+server's in those variables (:data:`STARTUP_VARIABLES`) run as plain subprocesses, and so does
+everything that is signalled or killed by a test (the runners that do it use ``subprocess``).
+``MULTIPATH_NMT_TEST_FORK=0`` turns the server off: every command then runs as a subprocess.
+"""
+import atexit
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+# What the server imports once: torch and fairseq (whose ``__init__`` imports its models, tasks,
+# criterions and optimizers) are 6-7 s of the 7 s a fairseq command spends before its work.
+PRELOADED = ("torch", "fairseq", "numpy", "sacrebleu", "sacremoses")
+
+# Read when the interpreter or torch starts: a child inherits the server's values.
+STARTUP_VARIABLES = ("PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE",
+                     "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD",
+                     "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
+STARTUP_PREFIXES = ("TORCH_", "PYTORCH_", "KMP_", "GOMP_")
+
+
+def _startup_values(env):
+    return {k: v for k, v in env.items()
+            if k in STARTUP_VARIABLES or k.startswith(STARTUP_PREFIXES)}
+
+
+def _exit_code(error: SystemExit) -> int:
+    """The exit status the interpreter gives ``SystemExit(error.code)``."""
+    if error.code is None:
+        return 0
+    if isinstance(error.code, int):
+        return error.code
+    print(error.code, file=sys.stderr)
+    return 1
+
+
+def _run_child(request):
+    """In the forked child: become the command, run it, exit. Never returns."""
+    code = 1
+    try:
+        with open(os.devnull) as null:
+            os.dup2(null.fileno(), 0)
+        output = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
+        errors = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC) \
+            if request["stderr"] != request["stdout"] else output
+        os.dup2(output, 1)
+        os.dup2(errors, 2)
+        sys.stdin = open(os.devnull)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # The server's own signal dispositions and exit functions are not the command's.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        atexit._clear()
+        sys.argv = [request["target"], *request["args"]]
+        sys.path[0] = request["cwd"]
+        try:
+            if request["kind"] == "module":
+                runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
+            else:
+                sys.path[0] = os.path.dirname(os.path.realpath(request["target"]))
+                runpy.run_path(request["target"], run_name="__main__")
+            code = 0
+        except SystemExit as error:
+            code = _exit_code(error)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve():
+    """The server: one JSON request per line on stdin; for each, the child's pid, then its exit
+    status (as ``subprocess`` reports it: -N for a signal), one JSON line each on stdout."""
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but replies on the reply pipe
+    sys.stdout = open(1, "w", closefd=False)
+    replies.write("ready\n")
+    replies.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            _run_child(request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+class PreloadedPython:
+    """The test session's server, started on first use with ``env`` (the tests' clean
+    environment)."""
+
+    def __init__(self, env):
+        self.env = dict(env)
+        self.process = None
+        self.lock = threading.Lock()  # one request at a time on the server's pipes
+
+    @staticmethod
+    def command(args):
+        """``args`` as a request's ("module" or "path", target, arguments): ``python -m MODULE``,
+        ``python SCRIPT.py`` or a console script of this interpreter's environment (``#!`` this
+        interpreter); None for anything else (``python -c``, options to the interpreter, other
+        programs)."""
+        if args[0] == sys.executable and len(args) >= 3 and args[1] == "-m":
+            return "module", args[2], args[3:]
+        if args[0] == sys.executable and len(args) >= 2 and args[1].endswith(".py") \
+                and not args[1].startswith("-"):
+            return "path", args[1], args[2:]
+        if os.path.dirname(args[0]) == os.path.dirname(sys.executable) \
+                and os.path.isfile(args[0]):
+            with open(args[0], "rb") as script:
+                if script.readline().rstrip() == b"#!" + os.fsencode(sys.executable):
+                    return "path", args[0], args[1:]
+        return None
+
+    def forkable(self, args, env):
+        """Whether :meth:`command` knows ``args``, and ``env`` agrees with the server's on the
+        variables read at startup."""
+        if os.environ.get("MULTIPATH_NMT_TEST_FORK", "1") == "0" or self.command(args) is None:
+            return False
+        return _startup_values(env) == _startup_values(self.env)
+
+    def _start(self):
+        self.process = subprocess.Popen(
+            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, env=self.env, text=True)
+        if self.process.stdout.readline() != "ready\n":
+            raise RuntimeError(f"{__file__} did not start")
+
+    def run(self, args, env, cwd=None, timeout=600, merge_stderr=False):
+        """Run ``args`` (see :meth:`forkable`) in a child of the server; a
+        ``subprocess.CompletedProcess`` with text output, as ``subprocess.run`` gives. A child
+        still running after ``timeout`` s is killed with its descendants and
+        ``subprocess.TimeoutExpired`` is raised. Commands from several threads run one after
+        the other."""
+        with self.lock:
+            return self._run(args, env, cwd, timeout, merge_stderr)
+
+    def _run(self, args, env, cwd, timeout, merge_stderr):
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        kind, target, arguments = self.command(args)
+        with tempfile.NamedTemporaryFile("r", errors="replace") as out, \
+                tempfile.NamedTemporaryFile("r", errors="replace") as err:
+            request = {"kind": kind, "target": target, "args": arguments,
+                       "env": dict(env), "cwd": str(cwd or os.getcwd()),
+                       "stdout": out.name, "stderr": out.name if merge_stderr else err.name}
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            pid = json.loads(self.process.stdout.readline())["pid"]
+            killed = []
+            timer = threading.Timer(timeout, lambda: (killed.append(pid), kill_tree(pid)))
+            timer.start()
+            try:
+                reply = self.process.stdout.readline()
+            finally:
+                timer.cancel()
+            returncode = json.loads(reply)["returncode"]
+            stdout, stderr = out.read(), ("" if merge_stderr else err.read())
+        if killed:
+            raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+
+    def close(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:  # already gone
+        return []
+
+
+def kill_tree(pid):
+    """SIGKILL a process and all its descendants at once, like a crashing machine.
+
+    torchrun starts its workers in their own sessions, so killing the agent (or its process
+    group) would leave the workers training on."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(_children(tree[-1]))
+    for member in reversed(tree):  # workers before the agent, so none is restarted
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_subprocess(args, env, cwd=None, timeout=600, merge_stderr=False):
+    """``subprocess.run`` with text output, except that a timeout kills the whole process tree
+    (torchrun's workers too), then raises ``subprocess.TimeoutExpired`` with the output."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(args, timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+if __name__ == "__main__":
+    serve()
