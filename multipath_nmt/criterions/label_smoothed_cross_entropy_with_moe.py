@@ -11,9 +11,22 @@ multiplies the returned loss as a whole (outside the criterion), so both terms a
 The logged ``loss`` stays the translation loss, comparable with dense models and with validation
 (routers record statistics in training only); ``moe_balance_loss`` is logged separately. Its
 minimum is k per routing call (a uniform router with top-k: WideNet Eq. 4 counts every top-k
-selection). The logging outputs stay tensors until ``reduce_metrics``, so a micro-batch makes no
-host sync here, and ``reduce_metrics`` reads them all in one copy per update (on an H200, the
-per-key reads made 7 syncs per update).
+selection).
+
+No host sync, neither per micro-batch nor per update: the logging outputs stay tensors, and
+``reduce_metrics`` keeps them tensors too, the way fairseq keeps its loss. It adds each update's
+sums to fairseq's meters as hidden sums (``metrics.log_scalar_sum`` of keys starting with ``_``,
+which fairseq does not print) and logs the shown values as derived meters (``log_derived``, as
+fairseq derives ``ppl``) computed from those sums with tensor ops only. The device is read when
+fairseq formats its log line, every --log-interval updates (the trainer also evaluates the
+derived meters every update, for its legacy logging output, but gets tensors there, no read).
+Before, ``reduce_metrics`` read all the statistics in one copy per update: one sync per update
+more than stock fairseq. The shown values, over the log interval (or the epoch):
+``moe_balance_loss`` = sum(balance * sample_size) / sum(sample_size); ``moe_dropped_frac`` =
+sum(dropped) / sum(assignments); ``moe_load_{e}`` = sum(load_e) / sum(kept), the share of the kept
+assignments that expert e got; ``moe_load_entropy`` = the entropy (in nats; ln E means balanced)
+of each update's shares, averaged over the updates weighted by their kept assignments. As tensors
+they are printed as floats (``0.0`` where a number would print ``0``).
 """
 import math
 from dataclasses import dataclass, field
@@ -39,14 +52,38 @@ class LabelSmoothedCrossEntropyWithMoeCriterionConfig(LabelSmoothedCrossEntropyC
 
 
 
-def host_totals(values):
-    """``values`` (device tensors or Python numbers) as Python floats, with one device-to-host
-    read for all the tensors among them: on a GPU, each read is a sync that waits for the
-    device's queue, and fairseq reduces the metrics once per update."""
-    tensors = [v for v in values if torch.is_tensor(v)]
-    read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()
-                if tensors else [])
-    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
+def _detached(value):
+    """A tensor statistic as a detached float64 tensor (exact for the int64 counts); a Python
+    number as it is."""
+    return value.detach().double() if torch.is_tensor(value) else value
+
+
+def _expert_loads(loads):
+    """The per-expert loads of one update as one float64 vector when any is a tensor (one
+    stack, no host read), else as Python floats."""
+    reference = next((load for load in loads if torch.is_tensor(load)), None)
+    if reference is None:
+        return [float(load) for load in loads]
+    return torch.stack([load.detach() if torch.is_tensor(load) else reference.new_full((), load)
+                        for load in loads]).double()
+
+
+def _rounded_ratio(numerator, denominator, digits):
+    """numerator / denominator (a count: 0 is read as 1), rounded to ``digits``. Tensors stay
+    tensors (tensor ops only, no host read): fairseq evaluates derived meters every update."""
+    if torch.is_tensor(numerator) or torch.is_tensor(denominator):
+        if torch.is_tensor(denominator):
+            denominator = denominator.clamp(min=1)
+        else:
+            denominator = max(denominator, 1)
+        return torch.round(numerator / denominator, decimals=digits)
+    return round(numerator / max(denominator, 1), digits)
+
+
+def _derived_ratio(numerator_key, denominator_key, digits):
+    return lambda meters: _rounded_ratio(meters[numerator_key].sum, meters[denominator_key].sum,
+                                         digits)
+
 
 @register_criterion("label_smoothed_cross_entropy_with_moe",
                     dataclass=LabelSmoothedCrossEntropyWithMoeCriterionConfig)
@@ -84,25 +121,42 @@ class LabelSmoothedCrossEntropyWithMoeCriterion(LabelSmoothedCrossEntropyCriteri
         if not any("moe_assignments" in log for log in logging_outputs):
             return
 
+        def summed(key):
+            return sum(log.get(key, 0) for log in logging_outputs)
+
         num_experts = 0
         while any(f"moe_load_{num_experts}" in log for log in logging_outputs):
             num_experts += 1
-        keys = ["sample_size", "moe_balance_loss", "moe_assignments", "moe_dropped",
-                *(f"moe_load_{expert}" for expert in range(num_experts))]
-        totals = dict(zip(keys, host_totals(
-            [sum(log.get(key, 0) for log in logging_outputs) for key in keys])))
-        sample_size = totals["sample_size"]
-        metrics.log_scalar("moe_balance_loss", totals["moe_balance_loss"] / max(sample_size, 1),
-                           sample_size, round=4)
-        assignments = totals["moe_assignments"]
-        metrics.log_scalar("moe_dropped_frac", totals["moe_dropped"] / max(assignments, 1),
-                           assignments, round=4)
-        load = [totals[f"moe_load_{expert}"] for expert in range(num_experts)]
-        kept = sum(load)
-        if kept > 0:
-            shares = [expert_load / kept for expert_load in load]
-            for expert, share in enumerate(shares):
-                metrics.log_scalar(f"moe_load_{expert}", share, kept, round=3)
-            # in nats; log(E) means perfectly balanced
+        loads = _expert_loads([summed(f"moe_load_{expert}") for expert in range(num_experts)])
+        if torch.is_tensor(loads):
+            kept = loads.sum()
+            shares = loads / kept.clamp(min=1)
+            entropy = -torch.xlogy(shares, shares).sum()  # 0 * log 0 = 0
+            loads = loads.unbind()
+        else:
+            kept = sum(loads)
+            shares = [load / max(kept, 1) for load in loads]
             entropy = -sum(p * math.log(p) for p in shares if p > 0)
-            metrics.log_scalar("moe_load_entropy", entropy, kept, round=4)
+
+        # Hidden sums (not printed), added up by fairseq's meters over the log interval.
+        metrics.log_scalar_sum("_moe_sample_size", _detached(summed("sample_size")))
+        metrics.log_scalar_sum("_moe_balance_loss", _detached(summed("moe_balance_loss")))
+        metrics.log_scalar_sum("_moe_dropped", _detached(summed("moe_dropped")))
+        metrics.log_scalar_sum("_moe_assignments", _detached(summed("moe_assignments")))
+        metrics.log_scalar_sum("_moe_kept", kept)
+        for expert, load in enumerate(loads):
+            metrics.log_scalar_sum(f"_moe_load_{expert}", load)
+        metrics.log_scalar_sum("_moe_load_entropy", entropy * kept)  # weighted by kept
+
+        # The shown values (priority 10, where log_scalar put them), derived when fairseq logs.
+        metrics.log_derived("moe_balance_loss",
+                            _derived_ratio("_moe_balance_loss", "_moe_sample_size", 4),
+                            priority=10)
+        metrics.log_derived("moe_dropped_frac",
+                            _derived_ratio("_moe_dropped", "_moe_assignments", 4), priority=10)
+        for expert in range(num_experts):
+            metrics.log_derived(f"moe_load_{expert}",
+                                _derived_ratio(f"_moe_load_{expert}", "_moe_kept", 3),
+                                priority=10)
+        metrics.log_derived("moe_load_entropy",
+                            _derived_ratio("_moe_load_entropy", "_moe_kept", 4), priority=10)
