@@ -30,15 +30,18 @@ import threading
 PRELOADED = ("torch", "fairseq", "numpy", "sacrebleu", "sacremoses")
 
 # Read when the interpreter or torch starts: a child inherits the server's values.
-STARTUP_VARIABLES = ("PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE",
-                     "PYTHONSAFEPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD",
-                     "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
-STARTUP_PREFIXES = ("TORCH_", "PYTORCH_", "KMP_", "GOMP_")
+STARTUP_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH",
+                     "CUDA_VISIBLE_DEVICES")
+STARTUP_PREFIXES = ("PYTHON", "TORCH_", "PYTORCH_", "KMP_", "GOMP_")
 
 
 def _startup_values(env):
     return {k: v for k, v in env.items()
             if k in STARTUP_VARIABLES or k.startswith(STARTUP_PREFIXES)}
+
+
+# The frames above the command's own in a traceback: this file's and runpy's.
+RUNNER_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>")
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -81,8 +84,11 @@ def _run_child(request):
             code = 0
         except SystemExit as error:
             code = _exit_code(error)
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
+        except BaseException as error:
+            tb = error.__traceback__  # from the command's first frame, as the interpreter shows it
+            while tb is not None and tb.tb_frame.f_code.co_filename in RUNNER_FILES:
+                tb = tb.tb_next
+            sys.excepthook(type(error), error.with_traceback(tb), tb)
             code = 1
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and not thread.daemon:
@@ -105,7 +111,6 @@ def serve():
         importlib.import_module(name)
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but replies on the reply pipe
-    sys.stdout = open(1, "w", closefd=False)
     replies.write("ready\n")
     replies.flush()
     for line in sys.stdin:
@@ -193,7 +198,7 @@ class PreloadedPython:
             finally:
                 timer.cancel()
             returncode = json.loads(reply)["returncode"]
-            stdout, stderr = out.read(), ("" if merge_stderr else err.read())
+            stdout, stderr = out.read(), (None if merge_stderr else err.read())
         if killed:
             raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
         return subprocess.CompletedProcess(args, returncode, stdout, stderr)

@@ -1,0 +1,92 @@
+"""The suite's preloaded Python (tests/helpers/preloaded_python.py) runs a command as a fresh
+interpreter does: the same output, errors and exit status, the command's environment and
+folder, its threads and exit functions; a timeout kills it; what it cannot imitate runs as a
+subprocess."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import PRELOADED_PYTHON, clean_env, run_command
+from helpers.preloaded_python import run_subprocess
+
+SCRIPT = textwrap.dedent("""\
+    import atexit, os, sys, threading, time
+    print("argv", sys.argv[1:], "cwd", os.getcwd(), "X", os.environ.get("X"))
+    print("plug-in loaded:", "multipath_nmt" in sys.modules, "main:", __name__)
+    print("to stderr", file=sys.stderr)
+    atexit.register(print, "at exit")
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread done"))).start()
+    mode = sys.argv[1]
+    if mode == "raise":
+        raise ValueError("bad value")
+    if mode == "message":
+        sys.exit("stopped: a message")
+    sys.exit(int(mode))
+""")
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("preloaded") / "command.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["0", "3", "raise", "message"])
+@pytest.mark.parametrize("merge_stderr", [False, True])
+def test_a_forked_command_gives_what_a_fresh_interpreter_gives(script, tmp_path, mode,
+                                                               merge_stderr):
+    args = [sys.executable, script, mode, "second"]
+    env = clean_env(X="from the command")
+    assert PRELOADED_PYTHON.forkable(list(map(str, args)), env)
+    forked = run_command(args, env=env, cwd=tmp_path, merge_stderr=merge_stderr)
+    fresh = run_subprocess(list(map(str, args)), env, cwd=tmp_path, merge_stderr=merge_stderr)
+    assert (forked.returncode, forked.stdout, forked.stderr) == \
+        (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert forked.returncode == {"0": 0, "3": 3, "raise": 1, "message": 1}[mode]
+    assert f"cwd {tmp_path} X from the command" in forked.stdout
+    assert "plug-in loaded: False main: __main__" in forked.stdout
+    assert forked.stdout.rstrip().endswith("thread done\nat exit")
+
+
+def test_modules_and_console_scripts_are_forked_and_say_the_same_as_fresh():
+    env = clean_env()
+    for args in ([sys.executable, "-m", "multipath_nmt.cli.average", "--inputs"],
+                 [os.path.join(os.path.dirname(sys.executable), "multipath-average"), "--nope"]):
+        assert PRELOADED_PYTHON.forkable(args, env)
+        forked, fresh = run_command(args), run_subprocess(args, env)
+        assert forked.returncode == fresh.returncode == 2
+        assert forked.stderr == fresh.stderr and "error:" in forked.stderr
+
+
+def test_what_a_fork_cannot_imitate_runs_as_a_subprocess():
+    env = clean_env()
+    assert not PRELOADED_PYTHON.forkable([sys.executable, "-c", "pass"], env)
+    assert not PRELOADED_PYTHON.forkable([sys.executable, "-X", "importtime", "-m", "x"], env)
+    assert not PRELOADED_PYTHON.forkable(["bash", "-c", "true"], env)
+    # read when the interpreter and torch start: the server's values would be wrong
+    threads = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    assert not PRELOADED_PYTHON.forkable(threads, clean_env(OMP_NUM_THREADS="2"))
+    module = [sys.executable, "-m", "multipath_nmt.cli.average", "--help"]
+    assert not PRELOADED_PYTHON.forkable(module, clean_env(PYTHONHASHSEED="1"))
+    assert PRELOADED_PYTHON.forkable(module, clean_env(MULTIPATH_NMT_PATCHES="off"))
+
+
+def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "child = subprocess.Popen(['sleep', '60'])\n"
+                      "open(sys.argv[1], 'w').write(str(child.pid))\n"
+                      "time.sleep(60)\n")
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command([sys.executable, script, pid_file], timeout=3)
+    grandchild = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):  # reaped by init shortly after the kill
+            os.kill(grandchild, 0)
+            time.sleep(0.1)
