@@ -2,8 +2,8 @@
 plain fp32 Adam on the CPU (``multipath_nmt/fairseq_patches/mixed_precision.py``): ``--amp``
 with a CPU ``GradScaler`` standing in for the CUDA one, ``--fp16`` with its flat fp32 master,
 ``--memory-efficient-fp16``, and bfloat16 (``--amp --bf16`` autocast, fairseq's ``--bf16``).
-Also: a non-finite gradient without loss scaling stops as in fp32, and a resumed fp16 ``--amp``
-run keeps its loss scale."""
+Also: a non-finite gradient without loss scaling stops as in fp32, a resumed fp16 ``--amp``
+run keeps its loss scale, and the loss scaler takes ``--amp``'s flags."""
 import copy
 import re
 import subprocess
@@ -323,9 +323,9 @@ def test_a_checkpoint_without_the_scaler_state_loads_with_fairseqs_initial_scale
 
 # fairseq-train --amp as on a GPU, on the CPU: fairseq's CUDA GradScaler is disabled without CUDA
 # and its autocast is CUDA's, so this driver gives AMPOptimizer an enabled CPU GradScaler and runs
-# the criterion under float16 CPU autocast. The growth interval is 2 (fairseq's --amp-scale-window
-# sets another flag's value): the scale doubles every second clean update, 128 -> 8192 by update
-# 12, and fp16 gradients overflow there.
+# the criterion under float16 CPU autocast, at --amp-init-scale (128) with a growth interval of 2:
+# the scale doubles every second clean update, 128 -> 8192 by update 12, and fp16 gradients
+# overflow there.
 AMP_ON_THE_CPU = """
 from fairseq_cli import train  # first: it sets up fairseq's log format
 import torch
@@ -336,7 +336,7 @@ def with_cpu_scaler(init):
     def __init__(self, cfg, *args, **kwargs):
         init(self, cfg, *args, **kwargs)
         self._grad_scaler = torch.amp.GradScaler(
-            "cpu", init_scale=cfg.common.fp16_init_scale, growth_interval=2)
+            "cpu", init_scale=cfg.common.amp_init_scale, growth_interval=2)
     return __init__
 
 def under_fp16_autocast(train_step):
@@ -401,3 +401,31 @@ def test_fp16_amp_resume_keeps_the_loss_scale_and_is_bit_exact(toy_data_bin, tmp
         assert_same_tensors({k: torch.as_tensor(v) for k, v in adam[key].items()},
                             {k: torch.as_tensor(v) for k, v in moments.items()})
     assert scaler == whole_scaler and scaler["scale"] != SCALE
+
+
+# --- the loss scaler's flags ------------------------------------------------------------------------
+
+def cpu_scaler(**kwargs):
+    """fairseq's ``torch.cuda.amp.GradScaler(**kwargs)`` as an enabled CPU scaler: without CUDA
+    the CUDA one disables itself and keeps none of its arguments."""
+    return torch.amp.GradScaler("cpu", **kwargs)
+
+
+# fp16's own flags, set to values of their own: they must not reach the AMP scaler
+FP16_FLAGS = ["--fp16-init-scale", "1024", "--fp16-scale-window", "7"]
+
+
+@pytest.mark.parametrize("amp_flags, scale, growth_interval", [
+    (["--amp-init-scale", "4"], 4, 2000),
+    (["--amp-scale-window", "3"], 128, 3),
+    ([], 128, 2000),  # --amp-init-scale's default 2**7; no window: GradScaler's default
+], ids=["init-scale", "scale-window", "defaults"])
+def test_amp_loss_scaler_takes_the_amp_flags(amp_flags, scale, growth_interval, monkeypatch):
+    """fairseq 0.12 built the --amp scaler from --fp16-init-scale and, for --amp-scale-window N,
+    with the growth interval --amp-init-scale: --amp-init-scale 4 gave 1024 here, and
+    --amp-scale-window 3 grew the scale every 128 clean updates."""
+    monkeypatch.setattr(torch.cuda.amp, "GradScaler", cpu_scaler)
+    optimizer = build_wrapped("adam", "amp", extra=[*FP16_FLAGS, *amp_flags])
+    assert optimizer.scaler.is_enabled()
+    assert optimizer.scaler.get_growth_interval() == growth_interval
+    assert optimizer.scaler.get_scale() == scale

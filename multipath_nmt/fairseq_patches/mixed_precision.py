@@ -42,8 +42,20 @@ What fairseq 0.12 does, and what is changed:
   The enabled scaler's state (``GradScaler.state_dict()``: scale and growth tracker) is now saved
   in the optimizer state under :data:`SCALER_STATE` and restored on resume; the scaler's
   hyper-parameters (growth and backoff factors, growth interval) come from the command line, like
-  every other flag on resume. A checkpoint without it (older, or bf16) leaves fairseq's initial
-  scale; a disabled scaler (bf16) saves nothing and ignores a saved state.
+  every other flag on resume. A checkpoint without it (older, or bf16) leaves the initial scale
+  (``--amp-init-scale``, next item); a disabled scaler (bf16) saves nothing and ignores a saved
+  state.
+* ``--amp``'s loss scaler did not take ``--amp``'s flags: ``AMPOptimizer.__init__`` built its
+  ``GradScaler`` with ``init_scale=--fp16-init-scale``, so ``--amp-init-scale`` was ignored, and
+  for ``--amp-scale-window N`` with ``growth_interval=--amp-init-scale``: the scale grew every
+  128 clean updates (``--amp-init-scale``'s value), not every N. fairseq's own constructor call now reads the
+  AMP flags (during ``__init__`` the two fields it reads hold ``--amp-init-scale`` and
+  ``--amp-scale-window``; the config is restored right after): the initial scale is
+  ``--amp-init-scale`` (default 128) and the growth interval ``--amp-scale-window``, or
+  ``GradScaler``'s 2000 when it is not given (its help: "number of updates before increasing AMP
+  loss scale"). ``--fp16-init-scale`` and ``--fp16-scale-window`` are ``--fp16``'s again. Nothing
+  else of the scaler changes; on a machine without CUDA fairseq's CUDA scaler still disables
+  itself (above).
 """
 import contextlib
 import functools
@@ -85,6 +97,25 @@ def _no_loss_scaling_in_bf16(init):
         if cfg.common.bf16:
             device = "cuda" if torch.cuda.is_available() and not cfg.common.cpu else "cpu"
             self._grad_scaler = torch.amp.GradScaler(device, enabled=False)
+
+    return __init__
+
+
+def _scaler_from_the_amp_flags(init):
+    @functools.wraps(init)
+    def __init__(self, cfg, params, fp32_optimizer, **kwargs):
+        # fairseq's __init__ builds the scaler from fp16_init_scale (init_scale) and, when
+        # amp_scale_window is set, amp_init_scale (growth_interval): for that one call those two
+        # fields hold the AMP flags, so the scaler is built by fairseq's own line, as it would be
+        common = cfg.common
+        saved = common.fp16_init_scale, common.amp_init_scale
+        common.fp16_init_scale = common.amp_init_scale
+        if getattr(common, "amp_scale_window", None) is not None:
+            common.amp_init_scale = common.amp_scale_window
+        try:
+            init(self, cfg, params, fp32_optimizer, **kwargs)
+        finally:
+            common.fp16_init_scale, common.amp_init_scale = saved
 
     return __init__
 
@@ -231,6 +262,7 @@ def install():
     from fairseq.trainer import Trainer
 
     wrap(AMPOptimizer, "step", _step_what_was_unscaled)
+    wrap(AMPOptimizer, "__init__", _scaler_from_the_amp_flags)
     wrap(AMPOptimizer, "__init__", _no_loss_scaling_in_bf16)
     wrap(AMPOptimizer, "clip_grad_norm", _no_overflow_without_a_scaler)
     wrap(AMPOptimizer, "state_dict", _save_the_loss_scale)
