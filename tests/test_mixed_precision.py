@@ -3,8 +3,10 @@ plain fp32 Adam on the CPU (``multipath_nmt/fairseq_patches/mixed_precision.py``
 with a CPU ``GradScaler`` standing in for the CUDA one, ``--fp16`` with its flat fp32 master,
 ``--memory-efficient-fp16``, and bfloat16 (``--amp --bf16`` autocast, fairseq's ``--bf16``).
 Also: a non-finite gradient without loss scaling stops as in fp32, a resumed fp16 ``--amp``
-run keeps its loss scale, and the loss scaler takes ``--amp``'s flags."""
+run keeps its loss scale, the loss scaler takes ``--amp``'s flags, and ``--amp-batch-retries`` is
+a budget per batch."""
 import copy
+import logging
 import re
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from helpers.optimizers import build_wrapped
 from conftest import clean_env
 from helpers.training import (SMALL_BATCHES, assert_same_tensors, load_model_state, run,
                               train_command)
+from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
+from multipath_nmt.benchmark.systems import build_trainer_from_argv
 from multipath_nmt.fairseq_patches.mixed_precision import SCALER_STATE
 
 SCALE = 128.0
@@ -403,7 +407,7 @@ def test_fp16_amp_resume_keeps_the_loss_scale_and_is_bit_exact(toy_data_bin, tmp
     assert scaler == whole_scaler and scaler["scale"] != SCALE
 
 
-# --- the loss scaler's flags ------------------------------------------------------------------------
+# --- the loss scaler's flags, and the retry budget of a batch ------------------------------------
 
 def cpu_scaler(**kwargs):
     """fairseq's ``torch.cuda.amp.GradScaler(**kwargs)`` as an enabled CPU scaler: without CUDA
@@ -429,3 +433,47 @@ def test_amp_loss_scaler_takes_the_amp_flags(amp_flags, scale, growth_interval, 
     assert optimizer.scaler.is_enabled()
     assert optimizer.scaler.get_growth_interval() == growth_interval
     assert optimizer.scaler.get_scale() == scale
+
+
+AMP_SKIPS = "AMP: skipping this batch."
+AMP_OVERFLOW = "AMP: overflow detected"
+
+
+def test_amp_batch_retries_are_a_budget_per_batch(tmp_path, monkeypatch, caplog):
+    """--amp-batch-retries 1 on a real Trainer (CPU loss scaler): batches 1 and 4 overflow once
+    each, batch 6 twice (an inf put into a gradient after the backward pass). Each batch gets one
+    retry: 1 and 4 are retried and update, 6 is retried once more and then skipped. fairseq 0.12
+    set its retry count back to 0 only on a skip: batch 4, three clean updates after batch 1's
+    retry, found the budget spent and was skipped without a retry. Between updates the count is
+    0, what the fresh Trainer of a resumed run starts with."""
+    with fake_data_dir(100) as data:
+        trainer, task = build_trainer_from_argv(train_command(
+            data, tmp_path, "baseline", "--source-lang", "src", "--target-lang", "tgt", "--amp",
+            "--amp-batch-retries", "1")[3:])
+        trainer.optimizer._grad_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE,
+                                                              growth_interval=10 ** 6)
+        batches = padded_batches(task, trainer.model, 200, 8, mean_length=10)
+    overflows = {1: 1, 4: 1, 6: 2}  # batch -> how many of its attempts overflow
+    attempts = []  # the batch of each forward and backward pass, retries included
+    task_train_step = task.train_step
+
+    def train_step_overflowing(*args, **kwargs):
+        result = task_train_step(*args, **kwargs)
+        attempts.append(current)
+        if attempts.count(current) <= overflows.get(current, 0):  # this attempt overflows
+            next(trainer.model.parameters()).grad.view(-1)[0] = float("inf")
+        return result
+
+    monkeypatch.setattr(task, "train_step", train_step_overflowing)
+    caplog.set_level(logging.INFO, logger="fairseq")
+    retry_counts = []  # the count after each batch: where a checkpoint would be saved
+    for current, batch in enumerate(batches):
+        trainer.train_step([batch])
+        retry_counts.append(trainer._amp_retries)
+    assert attempts == [0, 1, 1, 2, 3, 4, 4, 5, 6, 6, 7]
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum(m.startswith(AMP_OVERFLOW) for m in messages) == 4
+    assert messages.count(AMP_SKIPS) == 1
+    assert trainer.get_num_updates() == 7  # every batch but 6
+    assert trainer.optimizer.scaler.get_scale() == SCALE / 2 ** 4
+    assert retry_counts == [0] * len(batches)

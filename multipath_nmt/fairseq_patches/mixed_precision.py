@@ -56,6 +56,17 @@ What fairseq 0.12 does, and what is changed:
   loss scale"). ``--fp16-init-scale`` and ``--fp16-scale-window`` are ``--fp16``'s again. Nothing
   else of the scaler changes; on a machine without CUDA fairseq's CUDA scaler still disables
   itself (above).
+* ``--amp-batch-retries`` was a budget for the whole run, not per batch: ``Trainer.train_step``
+  counts the retries of a batch after an overflow in ``Trainer._amp_retries`` and set it back to
+  0 only when a batch used up the budget and was skipped, never after a successful update. So
+  the retries a batch got depended on the run's history (with ``--amp-batch-retries 1``, after
+  one retried overflow the next overflowing batch, however much later, was skipped at once), and
+  a resumed run (a fresh ``Trainer``, count 0) retried where the uninterrupted run skipped. The
+  count is now set back to 0 after every update that did not overflow, in
+  ``Trainer.set_num_updates`` (fairseq calls it at the end of ``train_step`` exactly then, after
+  the retry decision; and on a resume, where the count is 0 already): every batch gets
+  ``--amp-batch-retries`` retries, and between updates, where checkpoints are saved, the count is
+  always 0, as in the fresh ``Trainer`` of a resumed run.
 """
 import contextlib
 import functools
@@ -118,6 +129,18 @@ def _scaler_from_the_amp_flags(init):
             common.fp16_init_scale, common.amp_init_scale = saved
 
     return __init__
+
+
+def _retries_per_batch(set_num_updates):
+    @functools.wraps(set_num_updates)
+    def set_num_updates_new_batch(self, num_updates):
+        set_num_updates(self, num_updates)
+        # a batch is done and updated (train_step calls this after its retry decision, when the
+        # update did not overflow): the next batch gets the whole --amp-batch-retries budget
+        if hasattr(self, "_amp_retries"):
+            self._amp_retries = 0
+
+    return set_num_updates_new_batch
 
 
 def _no_overflow_without_a_scaler(clip_grad_norm):
@@ -269,5 +292,6 @@ def install():
     wrap(AMPOptimizer, "load_state_dict", _restore_the_loss_scale)
     wrap(options, "parse_args_and_arch", _tpu_only_with_torch_xla)
     wrap(Trainer, "__init__", _keep_fp32_weights_under_amp_bf16)
+    wrap(Trainer, "set_num_updates", _retries_per_batch)
     wrap(FairseqTask, "train_step", _autocast_to_bf16)
     wrap(CheckpointFunction, "forward", _recompute_under_forward_autocast)
