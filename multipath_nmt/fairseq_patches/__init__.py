@@ -59,7 +59,11 @@ numerics          ``Trainer.train_step``                                      a 
                                                                               CPU fp16 overflow crashed                                          tests/test_numerics.py::test_cpu_fp16_overflow_skips_the_update_instead_of_crashing
                   ``Trainer.__init__``                                        ``--fp16`` without CUDA died deep inside fairseq     fairseq 0.12  tests/test_numerics.py::test_fp16_without_cuda_is_refused_with_a_clear_message
 mixed_precision   ``AMPOptimizer.step``                                       ``--amp`` unscaled every gradient twice              fairseq 0.12  tests/test_mixed_precision.py::test_amp_update_is_fp32_adams
-                  ``AMPOptimizer.__init__``                                   ``--amp --bf16``: no loss scaler, bf16 autocast      fairseq 0.12  tests/test_mixed_precision.py::test_amp_bf16_has_no_loss_scaler_and_records_its_dtype
+                  ``AMPOptimizer.__init__``                                   ``--amp --bf16``: no loss scaler, bf16 autocast;     fairseq 0.12  tests/test_mixed_precision.py::test_amp_bf16_has_no_loss_scaler_and_records_its_dtype
+                                                                              the scaler ignored ``--amp-init-scale`` and took                   tests/test_mixed_precision.py::test_amp_loss_scaler_takes_the_amp_flags
+                                                                              ``--amp-scale-window`` from ``--amp-init-scale``
+                  ``Trainer.set_num_updates``                                 ``--amp-batch-retries`` counted over the whole run,  fairseq 0.12  tests/test_mixed_precision.py::test_amp_batch_retries_are_a_budget_per_batch
+                                                                              not per batch
                   ``options.parse_args_and_arch``                             ``--bf16`` implied ``--tpu`` without torch_xla       fairseq 0.12  tests/test_mixed_precision.py::test_bf16_means_a_tpu_only_where_torch_xla_is_installed
                   ``Trainer.__init__``                                        ``--amp --bf16`` cast the weights to bf16            fairseq 0.12  tests/test_mixed_precision.py::test_fairseq_train_in_bf16_on_the_cpu
                   ``FairseqTask.train_step``                                  ``--amp`` autocast only CUDA, only to float16        fairseq 0.12  tests/test_mixed_precision.py::test_amp_bf16_runs_the_criterion_under_bf16_autocast_with_fp32_weights
@@ -101,7 +105,8 @@ compile_layers    ``options.add_optimization_args``                           ``
 Order: the modules are installed in the order of :data:`MODULES`. ``Trainer.__init__`` is wrapped
 by numerics, then mixed_precision, then compile_layers (outermost: it compiles the layers of the
 model the others' ``__init__`` has placed and cast), and ``options.parse_args_and_arch`` by
-help_flags, then mixed_precision; the wrappers of each group look at different flags. ``sys.excepthook`` by
+help_flags, then mixed_precision, and ``Trainer.set_num_updates`` by mixed_precision, then
+ewa_trainer; the wrappers of each group look at different flags. ``sys.excepthook`` by
 checkpoints, then data_bins (each prints its own error class on one line and passes anything else
 on). ``Trainer.train_step`` is
 wrapped three times: numerics first (inner), then ewa_trainer, then preemption (outer: it only
