@@ -49,84 +49,100 @@ def sums_of_others(paths: Tensor) -> Tensor:
     return paths.sum(0, keepdim=True) - paths
 
 
-class _NormalizedSum(torch.autograd.Function):
-    """sum_f LN(H_f; weight s_f, eps_f) + bias over the features H of paths P [n, N, d]: the n
-    paths and, with cheap features, C_j = S - P_j (S the sum of the paths), whose eps is
-    eps * (n - 1)^2 because LN((S - P_j) / (n - 1)) with eps equals LN(S - P_j) with that eps.
+_OTHERS_MATRICES: Dict[tuple, Tensor] = {}
 
-    Computed in the dtype of ``scales`` (fp32 for half-precision paths): each feature is upcast
-    on its own, forward and backward, so only the paths in their own dtype are saved for
-    backward (an fp32 copy of fp16 paths, and of the cheap features, would double or triple
-    what the sublayer keeps); the cheap features of half-precision paths are formed again in
-    backward, those of full-precision paths are saved (no larger than before, and faster).
-    One LayerNorm kernel per feature
-    forward and backward (the weight folds PathNorm's gamma and the path weight alpha
-    together), the sum accumulated in place, and the gradient of the paths assembled in one
-    [n, N, d] buffer as dP_i = dH_i - dC_i + sum_j dC_j. Autograd over the same ops made extra
-    passes over every feature: the sums' copies, a stack of the n gradients, the negation and
-    expansion of S - P_j's gradient and their accumulation.
+
+def _averages_of_others_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The [n, n] matrix that maps n paths to their n cheap features, (S - P_j) / (n - 1): 0 on the
+    diagonal, 1 / (n - 1) elsewhere. Eager code makes it once per (n, dtype, device), as its
+    making runs more kernels than its use; code being compiled makes it in its graph (a tensor
+    stored in a global while dynamo traces breaks the compiled layer's backward)."""
+    key = (n, dtype, device)
+    matrix = None if torch.compiler.is_compiling() else _OTHERS_MATRICES.get(key)
+    if matrix is None:
+        matrix = (1 - torch.eye(n, dtype=dtype, device=device)) / (n - 1)
+        if not torch.compiler.is_compiling():
+            _OTHERS_MATRICES[key] = matrix
+    return matrix
+
+
+class _NormalizedSum(torch.autograd.Function):
+    """sum_f LN(H_f; weight s_f, eps) + bias over the features H of paths P [n, N, d]: the n paths
+    and, with cheap features, C = M P, C_j = (S - P_j) / (n - 1) (S the sum of the paths, M the
+    [n, n] matrix of :func:`_averages_of_others_matrix`).
+
+    As many kernels whatever the number f of features: forward, one LayerNorm (no affine) over
+    the [f, N, d] features, the folded weights s_f (PathNorm's gamma times the path weight alpha)
+    applied in place, one sum over the features; backward, one LayerNorm backward and, with
+    cheap features, the gradient of the paths dP = dH + M^T dC in one ``addmm``. The cheap
+    features are one matrix product written next to a copy of the paths in one [2n, N, d]
+    buffer, so the paths' features are exact copies whatever the matmul precision (TF32).
+
+    Computed in the dtype of ``scales`` (fp32 for half-precision paths). Saved for backward,
+    besides the per-token LayerNorm statistics: half-precision paths in their own dtype (their
+    fp32 features, 2x or, with cheap features, 4x their bytes, are formed again in backward);
+    full-precision features as they are: the paths themselves or, with cheap features, the
+    [2n, N, d] buffer of the paths and the cheap features. Autograd over the same ops would save
+    the normalized features as well.
+
+    The price of one kernel for all features is transient memory in the compute dtype: the
+    features and their normalized form in forward, the features, the gradient of the normalized
+    features and that of the features in backward, each [f, N, d] (n = 4 with cheap features and
+    fp16 paths: peaks of 17 and 24 fp32 [N, d] buffers, forward and backward, where a loop over
+    the features needs 6 and 15).
     """
 
     @staticmethod
-    def _features(paths, others, dtype, eps, cheap_features):
-        """(feature in ``dtype``, its eps) for every feature, one at a time; the cheap features
-        are ``others`` or, if None, formed here."""
+    def _features(paths, dtype, cheap_features):
+        """The features [f, N, d] of ``paths`` in ``dtype``: the paths themselves (no copy in
+        their own dtype) or, with cheap features, a new [2n, N, d] tensor."""
+        if not cheap_features:
+            return paths.to(dtype)
         n = paths.size(0)
-        for path in paths:
-            yield path.to(dtype), eps
-        if cheap_features:
-            if others is None:
-                total = paths.sum(0, dtype=dtype)
-                others = (total - path.to(dtype) for path in paths)
-            for other in others:
-                yield other, eps * (n - 1) ** 2
+        features = torch.empty((2 * n, *paths.shape[1:]), dtype=dtype, device=paths.device)
+        features[:n].copy_(paths)
+        torch.mm(_averages_of_others_matrix(n, dtype, paths.device), features[:n].view(n, -1),
+                 out=features[n:].view(n, -1))
+        return features
 
     @staticmethod
     def forward(ctx, paths, scales, bias, eps, cheap_features):
-        dim = paths.size(-1)
-        mixed, means, rstds = None, [], []
-        others = None
-        if cheap_features and paths.dtype == scales.dtype:
-            others = sums_of_others(paths)
-        features = _NormalizedSum._features(paths, others, scales.dtype, eps, cheap_features)
-        for (feature, feature_eps), scale in zip(features, scales):
-            out, mean, rstd = torch.native_layer_norm(feature, (dim,), scale, None, feature_eps)
-            mixed = out if mixed is None else mixed.add_(out)
-            means.append(mean)
-            rstds.append(rstd)
+        features = _NormalizedSum._features(paths, scales.dtype, cheap_features)
+        normalized, means, rstds = torch.native_layer_norm(
+            features, (features.size(-1),), None, None, eps)
+        mixed = normalized.mul_(scales[:, None]).sum(0).add_(bias)
         ctx.eps, ctx.cheap_features = eps, cheap_features
-        ctx.save_for_backward(paths, others, scales, torch.stack(means), torch.stack(rstds))
-        return mixed.add_(bias)
+        ctx.recompute = paths.dtype != scales.dtype
+        ctx.save_for_backward(paths if ctx.recompute else features, scales, means, rstds)
+        return mixed
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        paths, others, scales, means, rstds = ctx.saved_tensors
-        n, dim = paths.size(0), paths.size(-1)
+        saved, scales, means, rstds = ctx.saved_tensors
+        features = (_NormalizedSum._features(saved, scales.dtype, ctx.cheap_features)
+                    if ctx.recompute else saved)
+        dim = features.size(-1)
         grad = grad.contiguous()
-        mask = [True, ctx.needs_input_grad[1], False]
-        grad_features, grad_scales = [], []
-        features = _NormalizedSum._features(paths, others, scales.dtype, ctx.eps,
-                                            ctx.cheap_features)
-        for (feature, _), scale, mean, rstd in zip(features, scales, means, rstds):
-            grad_feature, grad_scale, _ = torch.ops.aten.native_layer_norm_backward(
-                grad, feature, (dim,), mean, rstd, scale, None, mask)
-            grad_features.append(grad_feature)
-            grad_scales.append(grad_scale)
-        if not ctx.cheap_features:
-            grad_paths = torch.stack(grad_features)
+        grad_scales = None
+        if ctx.needs_input_grad[1]:
+            normalized = torch.native_layer_norm(features, (dim,), None, None, ctx.eps)[0]
+            grad_scales = normalized.mul_(grad).sum(1)
+            del normalized
+        grad_features = torch.ops.aten.native_layer_norm_backward(
+            grad * scales[:, None], features, (dim,), means, rstds, None, None,
+            [True, False, False])[0]
+        del features
+        if ctx.cheap_features:
+            n = grad_features.size(0) // 2
+            others = _averages_of_others_matrix(n, scales.dtype, grad.device)
+            grad_paths = torch.addmm(grad_features[:n].view(n, -1), others.t(),
+                                     grad_features[n:].view(n, -1))
+            grad_paths = grad_paths.view(n, *grad_features.shape[1:])
         else:
-            grad_paths = torch.empty(paths.shape, dtype=scales.dtype, device=paths.device)
-            grad_others = grad_features[n:]
-            for i in range(n):
-                torch.sub(grad_features[i], grad_others[i], out=grad_paths[i])
-            total = grad_others[0]
-            for grad_other in grad_others[1:]:
-                total = total.add_(grad_other)
-            grad_paths.add_(total)
-        grad_scales = torch.stack(grad_scales) if ctx.needs_input_grad[1] else None
+            grad_paths = grad_features
         grad_bias = grad.sum(0) if ctx.needs_input_grad[2] else None
-        return grad_paths.to(paths.dtype), grad_scales, grad_bias, None, None
+        return grad_paths.to(saved.dtype), grad_scales, grad_bias, None, None
 
 
 class PathMixer(nn.Module):
@@ -160,9 +176,9 @@ class PathMixer(nn.Module):
         return torch.cat([paths, sums_of_others(paths) / (self.num_paths - 1)], 0)
 
     def normalized_sum(self, paths: Tensor) -> Tensor:
-        """sum_f alpha_f * PathNorm_f(H_f): each feature's LayerNorm takes alpha_f * gamma_f as its
-        weight (see :class:`_NormalizedSum`). Half-precision paths are normalized and summed in
-        fp32 (their squares overflow fp16), one feature at a time."""
+        """sum_f alpha_f * PathNorm_f(H_f): each feature's LayerNorm output is scaled by
+        alpha_f * gamma_f (see :class:`_NormalizedSum`). Half-precision paths are normalized and
+        summed in fp32 (their squares overflow fp16)."""
         dtype = torch.float32 if paths.dtype in (torch.float16, torch.bfloat16) else paths.dtype
         norm = self.path_norm
         with torch.autocast(paths.device.type, enabled=False):
