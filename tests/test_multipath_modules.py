@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from multipath_nmt.benchmark.kernels import KernelLaunchCounter
 from multipath_nmt.modules.multipath import (
     MultiPathDecoderLayer,
     MultiPathEncoderLayer,
@@ -287,6 +288,53 @@ def test_half_precision_mixer_gradients_match_fp32(cheap):
     for g, e in zip(got, expected):
         assert g.dtype == torch.float16
         torch.testing.assert_close(g.float(), e, atol=0.05, rtol=0.02)
+
+
+def _kernels_of_training_step(module, *inputs, autocast=False):
+    """The kernel-running ATen ops (:mod:`multipath_nmt.benchmark.kernels`) of one forward and
+    backward of ``module`` in training mode into fresh gradients, after a first one (caches
+    warm)."""
+    def step():
+        module.zero_grad(set_to_none=True)
+        for x in inputs:
+            x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(*inputs)
+        out.float().sum().backward()
+
+    step()
+    with KernelLaunchCounter() as kernels:
+        step()
+    return kernels.total
+
+
+@pytest.mark.parametrize("autocast,plain_layer,cheap_layer", [(False, 83, 89), (True, 114, 120)])
+def test_cheap_features_add_at_most_a_tenth_to_the_kernel_launches(autocast, plain_layer,
+                                                                   cheap_layer):
+    # The issue's target: cheap features cost at most 1.1x the kernel launches of the same
+    # multi-path model without them. _NormalizedSum normalizes every feature with one LayerNorm
+    # kernel, so cheap features add three kernels per PathMixer whatever n is: the copy of the
+    # paths into the [2n, N, d] features and the matrix product that forms the cheap features
+    # (forward), the addmm that folds their gradient into that of the paths (backward). Before,
+    # a LayerNorm and an add_ per feature forward, a LayerNorm backward per feature and 2n
+    # kernels to assemble the paths' gradient made 56 kernels against 35 (PathMixer, n = 4),
+    # 139 against 97 (encoder layer, fp32) and 214 against 140 (bf16 autocast, whose fp32
+    # features were formed again in backward). Counts of torch 2.13 on the CPU.
+    num_paths, T, B = 4, 7, 3
+    counts = {}
+    for cheap in (False, True):
+        torch.manual_seed(0)
+        layer = MultiPathEncoderLayer(D, FFN, HEADS, num_paths, cheap_features=cheap)
+        x = torch.randn(T, B, D, requires_grad=True)
+        mixer = PathMixer(num_paths, D, cheap_features=cheap)
+        paths = torch.randn(num_paths, T, B, D, requires_grad=True)
+        counts[cheap] = (_kernels_of_training_step(layer, x, autocast=autocast),
+                         _kernels_of_training_step(mixer, paths, x, autocast=autocast))
+    # (one encoder layer: two PathMixers and the rest of the layer, one PathMixer alone: its
+    # fp32 paths and residual take the same ops under autocast), forward and backward, the
+    # gradients of the inputs and parameters included
+    assert counts == {False: (plain_layer, 28), True: (cheap_layer, 31)}
+    assert counts[True][0] <= 1.1 * counts[False][0]
 
 
 def test_beam_search_cache_keeps_encoder_keys_per_sentence():
