@@ -74,6 +74,14 @@ def test_what_a_fork_cannot_imitate_runs_as_a_subprocess():
     module = [sys.executable, "-m", "multipath_nmt.cli.average", "--help"]
     assert not PRELOADED_PYTHON.forkable(module, clean_env(PYTHONHASHSEED="1"))
     assert PRELOADED_PYTHON.forkable(module, clean_env(MULTIPATH_NMT_PATCHES="off"))
+    # scikit-learn (imported by fairseq) sets KMP_* when imported, in the server as in the pytest
+    # process, whose environment the commands inherit: set or not, a fresh interpreter ends
+    # with those values; other values are not the server's
+    imported = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
+    launched = {k: v for k, v in PRELOADED_PYTHON.env.items() if k not in imported}
+    assert PRELOADED_PYTHON.forkable(module, {**launched, **imported})
+    assert PRELOADED_PYTHON.forkable(module, launched)
+    assert not PRELOADED_PYTHON.forkable(module, {**launched, "KMP_INIT_AT_FORK": "TRUE"})
 
 
 def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):

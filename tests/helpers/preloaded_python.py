@@ -111,7 +111,8 @@ def serve():
         importlib.import_module(name)
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but replies on the reply pipe
-    replies.write("ready\n")
+    # the imports may set startup variables (scikit-learn, imported by fairseq, sets KMP_*)
+    replies.write(json.dumps({"startup": _startup_values(os.environ)}) + "\n")
     replies.flush()
     for line in sys.stdin:
         request = json.loads(line)
@@ -135,6 +136,7 @@ class PreloadedPython:
     def __init__(self, env):
         self.env = dict(env)
         self.process = None
+        self.startup = None  # the server's startup variables once it has imported PRELOADED
         self.lock = threading.Lock()  # one request at a time on the server's pipes
 
     @staticmethod
@@ -160,14 +162,23 @@ class PreloadedPython:
         variables read at startup."""
         if os.environ.get("MULTIPATH_NMT_TEST_FORK", "1") == "0" or self.command(args) is None:
             return False
-        return _startup_values(env) == _startup_values(self.env)
+        with self.lock:
+            self._start()
+        # what the imports set, a fresh interpreter sets too: absent from ``env`` is the same
+        set_by_imports = {k: v for k, v in self.startup.items() if k not in self.env}
+        return {**set_by_imports, **_startup_values(env)} == self.startup
 
     def _start(self):
+        """Start the server unless it runs."""
+        if self.process is not None and self.process.poll() is None:
+            return
         self.process = subprocess.Popen(
             [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=self.env, text=True)
-        if self.process.stdout.readline() != "ready\n":
+        ready = self.process.stdout.readline()
+        if not ready:
             raise RuntimeError(f"{__file__} did not start")
+        self.startup = json.loads(ready)["startup"]
 
     def run(self, args, env, cwd=None, timeout=600, merge_stderr=False):
         """Run ``args`` (see :meth:`forkable`) in a child of the server; a
@@ -179,8 +190,7 @@ class PreloadedPython:
             return self._run(args, env, cwd, timeout, merge_stderr)
 
     def _run(self, args, env, cwd, timeout, merge_stderr):
-        if self.process is None or self.process.poll() is not None:
-            self._start()
+        self._start()
         kind, target, arguments = self.command(args)
         with tempfile.NamedTemporaryFile("r", errors="replace") as out, \
                 tempfile.NamedTemporaryFile("r", errors="replace") as err:
