@@ -25,6 +25,10 @@ SCRIPT = textwrap.dedent("""\
         raise ValueError("bad value")
     if mode == "message":
         sys.exit("stopped: a message")
+    if mode == "hook":  # the plug-in's one-line errors ask which program runs
+        sys.excepthook = lambda *error: print("hook:", sys.modules["__main__"].__file__,
+                                              sys.argv, file=sys.stderr)
+        raise ValueError("bad value")
     sys.exit(int(mode))
 """)
 
@@ -36,7 +40,7 @@ def script(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["0", "3", "raise", "message"])
+@pytest.mark.parametrize("mode", ["0", "3", "raise", "message", "hook"])
 @pytest.mark.parametrize("merge_stderr", [False, True])
 def test_a_forked_command_gives_what_a_fresh_interpreter_gives(script, tmp_path, mode,
                                                                merge_stderr):
@@ -47,7 +51,7 @@ def test_a_forked_command_gives_what_a_fresh_interpreter_gives(script, tmp_path,
     fresh = run_subprocess(list(map(str, args)), env, cwd=tmp_path, merge_stderr=merge_stderr)
     assert (forked.returncode, forked.stdout, forked.stderr) == \
         (fresh.returncode, fresh.stdout, fresh.stderr)
-    assert forked.returncode == {"0": 0, "3": 3, "raise": 1, "message": 1}[mode]
+    assert forked.returncode == {"0": 0, "3": 3, "raise": 1, "message": 1, "hook": 1}[mode]
     assert f"cwd {tmp_path} X from the command" in forked.stdout
     assert "plug-in loaded: False main: __main__" in forked.stdout
     assert forked.stdout.rstrip().endswith("thread done\nat exit")
@@ -98,3 +102,27 @@ def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):
         for _ in range(50):  # reaped by init shortly after the kill
             os.kill(grandchild, 0)
             time.sleep(0.1)
+
+
+@pytest.mark.parametrize("first", ["logging", "plug-in"])
+def test_the_logging_of_a_command_is_configured_as_in_a_fresh_interpreter(tmp_path, first):
+    """fairseq's import configures the root logger; fairseq-train configures it first (INFO to
+    stdout), the plug-in's tools undo it: the server's own import of fairseq changes neither."""
+    script = tmp_path / "logs.py"
+    configure = {"logging": "logging.basicConfig(stream=sys.stdout, level=logging.INFO, "
+                            "format='%(levelname)s %(name)s %(message)s')\n",
+                 "plug-in": "import multipath_nmt\n"}[first]
+    script.write_text("import logging, sys\n" + configure + "import fairseq\n"
+                      "logging.getLogger('command').info('an info line')\n"
+                      "logging.getLogger('command').warning('a warning')\n"
+                      "print(len(logging.getLogger().handlers), logging.getLogger().level)\n")
+    args, env = [sys.executable, str(script)], clean_env()
+    forked, fresh = run_command(args, env=env), run_subprocess(args, env)
+    # what fairseq logs while it is imported, the server logged (once, to no one)
+    import_time = "INFO fairseq.tasks.text_to_speech Please install tensorboardX: " \
+                  "pip install tensorboardX\n"
+    assert forked.stdout == fresh.stdout.replace(import_time, "")
+    assert forked.stdout.startswith({"logging": "INFO command an info line\n",
+                                     "plug-in": ""}[first])
+    assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:] == \
+        ({"logging": [], "plug-in": ["a warning"]}[first] or fresh.stderr.splitlines()[-1:])

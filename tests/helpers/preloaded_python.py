@@ -5,17 +5,19 @@ A fresh Python spends about 7 s of this project's 2 CPU cores importing torch an
 keeps one server process that has imported them (:data:`PRELOADED`, nothing of ``multipath_nmt``,
 whose import installs the patches a command's environment chooses), and runs each command in a
 child forked from it: the child takes the command's environment, working directory and output
-files, runs the module as ``__main__`` (``runpy``, as ``python -m`` does), then exits the way the
-interpreter does: uncaught errors through ``sys.excepthook``, non-daemon threads joined, the
-command's ``atexit`` functions run, the exit status of ``SystemExit``.
+files, runs the module or script as ``__main__`` (as ``python -m`` or ``python SCRIPT`` does),
+then exits the way the interpreter does: uncaught errors through ``sys.excepthook``, non-daemon
+threads joined, the command's ``atexit`` functions run, the exit status of ``SystemExit``.
 
-What a child does not share with a fresh process, and so is never forked
+What the preloaded imports log or warn while they run, the server printed (to no one): a child
+does not print it again. What a child does not share with a fresh process, and so is never forked
 (:meth:`PreloadedPython.forkable`): anything decided when the interpreter starts. Commands whose environment differs from the
 server's in those variables (:data:`STARTUP_VARIABLES`) run as plain subprocesses, and so does
 everything that is signalled or killed by a test (the runners that do it use ``subprocess``).
 ``MULTIPATH_NMT_TEST_FORK=0`` turns the server off: every command then runs as a subprocess.
 """
 import atexit
+import builtins
 import json
 import os
 import runpy
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 
 # What the server imports once: torch and fairseq (whose ``__init__`` imports its models, tasks,
 # criterions and optimizers) are 6-7 s of the 7 s a fairseq command spends before its work.
@@ -74,13 +77,22 @@ def _run_child(request):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         atexit._clear()
         sys.argv = [request["target"], *request["args"]]
-        sys.path[0] = request["cwd"]
+        # A __main__ of the command's own that stays after it ends, as in a fresh interpreter:
+        # an excepthook may ask which program runs (runpy.run_path would restore the server's).
+        main = types.ModuleType("__main__")
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
         try:
             if request["kind"] == "module":
-                runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
+                sys.path[0] = request["cwd"]
+                runpy._run_module_as_main(request["target"])  # what ``python -m`` calls
             else:
-                sys.path[0] = os.path.dirname(os.path.realpath(request["target"]))
-                runpy.run_path(request["target"], run_name="__main__")
+                path = request["target"]
+                sys.path[0] = os.path.dirname(os.path.realpath(path))
+                with open(path, "rb") as script:
+                    source = script.read()
+                main.__file__, main.__cached__ = path, None
+                exec(compile(source, path, "exec"), main.__dict__)
             code = 0
         except SystemExit as error:
             code = _exit_code(error)
@@ -90,10 +102,8 @@ def _run_child(request):
                 tb = tb.tb_next
             sys.excepthook(type(error), error.with_traceback(tb), tb)
             code = 1
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
+        threading._shutdown()  # what the interpreter does first at exit: the threading
+        atexit._run_exitfuncs()  # module's exit functions (thread pools), non-daemon threads
     finally:
         try:
             sys.stdout.flush()
@@ -106,9 +116,17 @@ def serve():
     """The server: one JSON request per line on stdin; for each, the child's pid, then its exit
     status (as ``subprocess`` reports it: -N for a signal), one JSON line each on stdout."""
     import importlib
+    import logging
 
+    root = logging.getLogger()
+    unconfigured = root.level, list(root.handlers)
     for name in PRELOADED:
         importlib.import_module(name)
+    # fairseq's import configures the root logger (a task module calls logging.basicConfig); a
+    # command configures it before that import (fairseq-train logs to stdout), or the plug-in
+    # undoes it: as in a fresh interpreter, the command finds it unconfigured.
+    root.setLevel(unconfigured[0])
+    root.handlers[:] = unconfigured[1]
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but replies on the reply pipe
     # the imports may set startup variables (scikit-learn, imported by fairseq, sets KMP_*)
