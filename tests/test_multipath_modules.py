@@ -11,6 +11,7 @@ from multipath_nmt.modules.multipath import (
     MultiPathEncoderLayer,
     PathMixer,
     _NormalizedSum,
+    others_matrix,
 )
 from multipath_nmt.testing.multipath_reference import (
     ReferenceMultiPathDecoderLayer,
@@ -190,7 +191,8 @@ def test_fused_path_norm_sum_passes_gradcheck(cheap):
     scales = torch.randn(2 * n if cheap else n, d, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(d, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda p, s, b: _NormalizedSum.apply(p, s, b, 1e-5, cheap), (paths, scales, bias))
+        lambda p, s, b: _NormalizedSum.apply(p, s, b, 1e-5, others_matrix(n) if cheap else None),
+        (paths, scales, bias))
 
 
 def test_frozen_path_norm_still_trains_the_paths():

@@ -49,32 +49,23 @@ def sums_of_others(paths: Tensor) -> Tensor:
     return paths.sum(0, keepdim=True) - paths
 
 
-_OTHERS_MATRICES: Dict[tuple, Tensor] = {}
-
-
-def _averages_of_others_matrix(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The [n, n] matrix that maps n paths to their n cheap features, (S - P_j) / (n - 1): 0 on the
-    diagonal, 1 / (n - 1) elsewhere. Eager code makes it once per (n, dtype, device), as its
-    making runs more kernels than its use; code being compiled makes it in its graph (a tensor
-    stored in a global while dynamo traces breaks the compiled layer's backward)."""
-    key = (n, dtype, device)
-    matrix = None if torch.compiler.is_compiling() else _OTHERS_MATRICES.get(key)
-    if matrix is None:
-        matrix = (1 - torch.eye(n, dtype=dtype, device=device)) / (n - 1)
-        if not torch.compiler.is_compiling():
-            _OTHERS_MATRICES[key] = matrix
-    return matrix
+def others_matrix(n: int) -> Tensor:
+    """The [n, n] pattern of the cheap features (S - P_j) / (n - 1) = (1 / (n - 1)) M P: M is 1 off
+    the diagonal, 0 on it (symmetric), exact in every dtype a model is cast to; the factor
+    1 / (n - 1) is applied in the compute dtype."""
+    return 1 - torch.eye(n)
 
 
 class _NormalizedSum(torch.autograd.Function):
     """sum_f LN(H_f; weight s_f, eps) + bias over the features H of paths P [n, N, d]: the n paths
-    and, with cheap features, C = M P, C_j = (S - P_j) / (n - 1) (S the sum of the paths, M the
-    [n, n] matrix of :func:`_averages_of_others_matrix`).
+    and, with cheap features, C = M P / (n - 1), C_j = (S - P_j) / (n - 1) (S the sum of the paths,
+    M the [n, n] pattern of :func:`others_matrix`, passed in as ``others``, None without cheap
+    features).
 
     As many kernels whatever the number f of features: forward, one LayerNorm (no affine) over
     the [f, N, d] features, the folded weights s_f (PathNorm's gamma times the path weight alpha)
     applied in place, one sum over the features; backward, one LayerNorm backward and, with
-    cheap features, the gradient of the paths dP = dH + M^T dC in one ``addmm``. The cheap
+    cheap features, the gradient of the paths dP = dH + M^T dC / (n - 1) in one ``addmm``. The cheap
     features are one matrix product written next to a copy of the paths in one [2n, N, d]
     buffer, so the paths' features are exact copies whatever the matmul precision (TF32).
 
@@ -93,34 +84,34 @@ class _NormalizedSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def _features(paths, dtype, cheap_features):
+    def _features(paths, dtype, others):
         """The features [f, N, d] of ``paths`` in ``dtype``: the paths themselves (no copy in
-        their own dtype) or, with cheap features, a new [2n, N, d] tensor."""
-        if not cheap_features:
+        their own dtype) or, with cheap features (``others``), a new [2n, N, d] tensor."""
+        if others is None:
             return paths.to(dtype)
         n = paths.size(0)
         features = torch.empty((2 * n, *paths.shape[1:]), dtype=dtype, device=paths.device)
         features[:n].copy_(paths)
-        torch.mm(_averages_of_others_matrix(n, dtype, paths.device), features[:n].view(n, -1),
-                 out=features[n:].view(n, -1))
+        features[n:].view(n, -1).addmm_(others.to(dtype), features[:n].view(n, -1), beta=0,
+                                        alpha=1 / (n - 1))
         return features
 
     @staticmethod
-    def forward(ctx, paths, scales, bias, eps, cheap_features):
-        features = _NormalizedSum._features(paths, scales.dtype, cheap_features)
+    def forward(ctx, paths, scales, bias, eps, others):
+        features = _NormalizedSum._features(paths, scales.dtype, others)
         normalized, means, rstds = torch.native_layer_norm(
             features, (features.size(-1),), None, None, eps)
         mixed = normalized.mul_(scales[:, None]).sum(0).add_(bias)
-        ctx.eps, ctx.cheap_features = eps, cheap_features
+        ctx.eps = eps
         ctx.recompute = paths.dtype != scales.dtype
-        ctx.save_for_backward(paths if ctx.recompute else features, scales, means, rstds)
+        ctx.save_for_backward(paths if ctx.recompute else features, scales, means, rstds, others)
         return mixed
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        saved, scales, means, rstds = ctx.saved_tensors
-        features = (_NormalizedSum._features(saved, scales.dtype, ctx.cheap_features)
+        saved, scales, means, rstds, others = ctx.saved_tensors
+        features = (_NormalizedSum._features(saved, scales.dtype, others)
                     if ctx.recompute else saved)
         dim = features.size(-1)
         grad = grad.contiguous()
@@ -133,11 +124,10 @@ class _NormalizedSum(torch.autograd.Function):
             grad * scales[:, None], features, (dim,), means, rstds, None, None,
             [True, False, False])[0]
         del features
-        if ctx.cheap_features:
+        if others is not None:
             n = grad_features.size(0) // 2
-            others = _averages_of_others_matrix(n, scales.dtype, grad.device)
-            grad_paths = torch.addmm(grad_features[:n].view(n, -1), others.t(),
-                                     grad_features[n:].view(n, -1))
+            grad_paths = torch.addmm(grad_features[:n].view(n, -1), others.to(scales.dtype),
+                                     grad_features[n:].view(n, -1), alpha=1 / (n - 1))
             grad_paths = grad_paths.view(n, *grad_features.shape[1:])
         else:
             grad_paths = grad_features
@@ -160,6 +150,9 @@ class PathMixer(nn.Module):
         num_features = 2 * num_paths if self.cheap_features else num_paths
         self.path_norm = PathNorm(num_features, dim) if path_norm else None
         self.dropout = dropout
+        # not saved: checkpoints hold what they held before, and it follows the model's device
+        self.register_buffer("others_matrix", others_matrix(num_paths) if self.cheap_features
+                             else None, persistent=False)
         if learnable_weights:
             self.path_weights = nn.Parameter(torch.full((num_features,), (2 * num_paths) ** -0.5))
             self.residual_weight = nn.Parameter(torch.ones(()))
@@ -187,7 +180,7 @@ class PathMixer(nn.Module):
             bias = weights @ norm.bias.to(dtype)
             shape = paths.shape
             paths = paths.reshape(shape[0], -1, shape[-1])
-            mixed = _NormalizedSum.apply(paths, scales, bias, norm.eps, self.cheap_features)
+            mixed = _NormalizedSum.apply(paths, scales, bias, norm.eps, self.others_matrix)
         return mixed.view(shape[1:])
 
     def forward(self, paths: Tensor, residual: Tensor) -> Tensor:
