@@ -157,6 +157,7 @@ def test_bench_trains_in_train_shs_precision(precision, monkeypatch):
     assert not fp16 and "--fp16" not in flags
 
 
+@pytest.mark.slow
 def test_a_failing_system_is_reported_and_the_others_measured(tmp_path, monkeypatch):
     """EWA crashed on CUDA (its token groups were made on the CPU): multipath-bench --device cuda
     lost its whole report. A system that fails to build, train or have its memory probed is now a
@@ -273,6 +274,7 @@ def test_parameternet_systems_build_the_mode_their_name_says(name, layer):
     assert layer in kinds and not {"RoutedLinear", "DynamicLinear"} - {layer} & kinds
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_keep_freed_memory_stops_page_faulting_large_tensors_in_anew():
     """A 64 MiB tensor freed and allocated again costs a fresh mmap and ~16k minor page faults

@@ -336,7 +336,9 @@ def main(selected):
 # --- the tests ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def fake_gpu_results(request):
+def fake_gpu_results(trains, request):
+    """Every selected case trained and decoded on the fake GPU, in one process of its own (about a
+    minute for all of them): its tests are slow."""
     selected = sorted({item.callspec.params["case"] for item in request.session.items
                        if item.fspath == request.fspath and hasattr(item, "callspec")
                        and "case" in item.callspec.params})

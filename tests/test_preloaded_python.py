@@ -57,6 +57,7 @@ def test_a_forked_command_gives_what_a_fresh_interpreter_gives(script, tmp_path,
     assert forked.stdout.rstrip().endswith("thread done\nat exit")
 
 
+@pytest.mark.slow  # two fresh interpreters that import fairseq
 def test_modules_and_console_scripts_are_forked_and_say_the_same_as_fresh():
     env = clean_env()
     for args in ([sys.executable, "-m", "multipath_nmt.cli.average", "--inputs"],
@@ -104,6 +105,7 @@ def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):
             time.sleep(0.1)
 
 
+@pytest.mark.slow  # fresh interpreters that import fairseq
 @pytest.mark.parametrize("first", ["logging", "plug-in"])
 def test_the_logging_of_a_command_is_configured_as_in_a_fresh_interpreter(tmp_path, first):
     """fairseq's import configures the root logger; fairseq-train configures it first (INFO to
