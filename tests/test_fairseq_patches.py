@@ -87,13 +87,10 @@ SWITCH_VALUES = ("on", "off", "no", "-attention,-preemption", "-atention", "atte
 def switch_runs():
     """value -> what importing the plug-in under ``MULTIPATH_NMT_PATCHES=value`` did, each in a
     process of its own (forked after fairseq's import: tests/helpers/patch_switch.py)."""
-    import subprocess
+    from conftest import run_command
 
-    from conftest import clean_env
-
-    proc = subprocess.run([sys.executable, str(TESTS / "helpers" / "patch_switch.py"),
-                           *SWITCH_VALUES], capture_output=True, text=True, env=clean_env(),
-                          cwd=TESTS, timeout=300)
+    proc = run_command([sys.executable, TESTS / "helpers" / "patch_switch.py", *SWITCH_VALUES],
+                       cwd=TESTS, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {value: types.SimpleNamespace(**run) for value, run in
             json.loads(proc.stdout.splitlines()[-1]).items()}
