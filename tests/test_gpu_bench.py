@@ -118,6 +118,11 @@ def test_anchor_is_stock_fairseq_and_the_rows_train_sh_commands(tiny_bench):
         assert row["tokens_per_s"]["min"] <= row["tokens_per_s"]["median"] \
             <= row["tokens_per_s"]["max"]
         assert row["forward_backward_ms"] > 0 and row["update_ms"] > 0, name
+        phases = row["phases_s"]  # where the row's process spent its time, in order
+        assert list(phases) == ["process_start", "build", "flops", "first_update", "warmup",
+                                "timed_windows", "step_split", "syncs_and_launches",
+                                *(["beam"] if name != gpu_bench.ANCHOR else [])], name
+        assert all(s > 0 for s in phases.values()) and sum(phases.values()) < row["seconds"]
     assert {n for n, r in rows.items() if "beam_sentences_per_s" in r} == \
         {gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH}
     assert result["environment"]["commit"] == "0123abc"
@@ -139,6 +144,8 @@ def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
     assert table[0].startswith("| row | dtype | tokens/s median [min-max] | vs anchor | MFU |")
     assert f"| {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP}, training tokens/s |" in report
     assert f"| kernel launches per update, {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP} |" in report
+    assert "| row | process_start | build | flops | first_update | warmup | timed_windows |" \
+        in report
 
 
 @pytest.mark.slow

@@ -146,13 +146,24 @@ def size_for_check(size):
 # --- one row, in its own process ---------------------------------------------------------------
 
 def measure_row(spec, size, device):
-    """Everything measured for one row (see the module docstring); runs in the row's process."""
+    """Everything measured for one row (see the module docstring); runs in the row's process.
+    ``phases_s``: the seconds each phase of the row took, so that a run says where its time
+    went (a row on a GPU spends most of it outside the timed windows)."""
+    phases = {}
+    clock = [time.perf_counter()]
+
+    def phase(name):
+        now = time.perf_counter()
+        phases[name] = now - clock[0]
+        clock[0] = now
+
     trainer, task = build_trainer_from_argv(spec["argv"])
     update_freq = trainer.cfg.optimization.update_freq[0]
     samples = padded_batches(task, trainer.model, trainer.cfg.dataset.max_tokens,
                              size["batches"], size["mean_length"], seed=1)
     cycle = itertools.cycle(samples)
     tokens = [0]
+    phase("build")
 
     def update():
         micro_batches = [next(cycle) for _ in range(update_freq)]
@@ -161,15 +172,18 @@ def measure_row(spec, size, device):
 
     flops = (sum(training_flops_per_token(trainer, s) * s["ntokens"] for s in samples[:4])
              / sum(s["ntokens"] for s in samples[:4]))
+    phase("flops")
     start = time.perf_counter()
     update()  # the first update builds the optimizer state, and compiles under --compile-layers
     first_update_s = time.perf_counter() - start
+    phase("first_update")
     # Every batch once before the clock (their shapes' kernels, allocator blocks; compiled:
     # their graphs): on an H200 the first timed window still ran at a third of the others'
     # pace after 5 warm-up updates of 16 batches (docs/bench/gpu-bench-h200.json).
     warmup = max(size["warmup_updates"], math.ceil(len(samples) / update_freq))
     for _ in range(warmup * (2 if spec.get("compiled") else 1)):
         update()
+    phase("warmup")
     [probe] = time_update_windows(update, 1, 2, device)
     per_window = max(size["min_window_updates"], math.ceil(size["window_seconds"] / (probe / 2)))
     if device == "cuda":
@@ -183,6 +197,7 @@ def measure_row(spec, size, device):
                params=sum(p.numel() for p in trainer.model.parameters()),
                train_flops_per_token=flops, first_update_s=first_update_s,
                updates_per_window=per_window, tokens_per_s=summary(rates))
+    phase("timed_windows")
     if device == "cuda":
         row["peak_memory_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
     # the untimed passes: the step split, then one update's host syncs and kernel launches
@@ -192,11 +207,15 @@ def measure_row(spec, size, device):
     split.active = False
     row["forward_backward_ms"] = 1e3 * split.seconds / per_window
     row["update_ms"] = 1e3 * seconds / per_window - row["forward_backward_ms"]
+    phase("step_split")
     row.update(update_profile(update))
+    phase("syncs_and_launches")
     # which of the plug-in's patches this process runs under (none for the anchor)
     row["patched_train_step"] = list(patches_of(type(trainer).train_step))
     if spec.get("beam"):
         row["beam_sentences_per_s"] = beam_sentences_per_s(trainer, task, size, device)
+        phase("beam")
+    row["phases_s"] = phases
     return row
 
 
@@ -245,8 +264,10 @@ def _row_main(spec_path, out_path):
     warnings.filterwarnings("ignore")
     with open(spec_path) as f:
         job = json.load(f)
+    started_s = time.time() - job["spawned_at"]  # the interpreter and this module's imports
     try:
         result = measure_row(job["spec"], job["size"], job["device"])
+        result["phases_s"] = {"process_start": started_s, **result["phases_s"]}
     except Exception as error:  # the parent reports it as the row's finding
         lines = str(error).strip().splitlines()
         result = {"error": f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]}
@@ -332,7 +353,7 @@ def _run_row(spec, size, device, work, index, timeout):
     spec_path = os.path.join(work, f"row{index}.json")
     out_path = os.path.join(work, f"row{index}.out.json")
     with open(spec_path, "w") as f:
-        json.dump({"spec": spec, "size": size, "device": device}, f)
+        json.dump({"spec": spec, "size": size, "device": device, "spawned_at": time.time()}, f)
     started = time.perf_counter()
     try:
         finished = subprocess.run(
@@ -436,6 +457,14 @@ def markdown_report(result):
               "", "| target | measured | needed | met |", "|---|---|---|---|"]
     for text, value, needed, met in targets(result):
         lines.append(f"| {text} | {value:.3f} | {needed} | {'yes' if met else '**no**'} |")
+    phased = {n: r["phases_s"] for n, r in result["rows"].items() if "phases_s" in r}
+    if phased:
+        names = list(next(iter(phased.values())))
+        lines += ["", "Where each row's seconds went (its process; the timed windows are one "
+                  "phase):", "", "| row | " + " | ".join(names) + " | row total |",
+                  "|---|" + "---|" * (len(names) + 1)]
+        lines += [f"| {n} | " + " | ".join(f"{p.get(k, 0):.1f}" for k in names)
+                  + f" | {result['rows'][n]['seconds']:.1f} |" for n, p in phased.items()]
     lines += ["", "Commands (fairseq-train's arguments; the data-bin is a dictionaries-only "
               "folder, batches are synthetic):", ""]
     lines += [f"- {name}: `{row['command']}`" for name, row in result["rows"].items()]
