@@ -92,10 +92,12 @@ def test_rows_past_the_budget_are_reported_not_run():
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bench")
-    rows = [gpu_bench.ANCHOR, gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH]
+    rows = [gpu_bench.ANCHOR, gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH,
+            gpu_bench.BASE + gpu_bench.COMPILED]
     finished = subprocess.run(
         ["bash", "scripts/gpu-bench.sh", "--device", "cpu", "--size", "tiny", "--out", str(out),
-         "--commit", "0123abc", "--only", *rows], capture_output=True, text=True, timeout=600,
+         "--commit", "0123abc", "--compile-backend", "aot_eager", "--only", *rows],
+        capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHON": sys.executable})
     assert finished.returncode == 0, finished.stderr[-2000:]
     return json.loads((out / "gpu-bench.json").read_text()), (out / "gpu-bench.md").read_text()
@@ -109,6 +111,8 @@ def test_anchor_is_stock_fairseq_and_the_rows_train_sh_commands(tiny_bench):
     assert anchor["command"].startswith("MULTIPATH_NMT_PATCHES=off fairseq-train ")
     assert "--user-dir" not in anchor["command"] and "--optimizer adam " in anchor["command"]
     assert anchor["patched_train_step"] == []  # no patch of the plug-in in its process
+    compiled = rows[gpu_bench.BASE + gpu_bench.COMPILED]
+    assert compiled["command"] == rows[gpu_bench.BASE]["command"] + " --compile-layers aot_eager"
     for name in (gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH):
         assert "--optimizer adam_fused" in rows[name]["command"], name
         assert rows[name]["patched_train_step"], name
@@ -121,7 +125,8 @@ def test_anchor_is_stock_fairseq_and_the_rows_train_sh_commands(tiny_bench):
         phases = row["phases_s"]  # where the row's process spent its time, in order
         assert list(phases) == ["process_start", "build", "flops", "first_update", "warmup",
                                 "timed_windows", "step_split", "syncs_and_launches",
-                                *(["beam"] if name != gpu_bench.ANCHOR else [])], name
+                                *(["beam"] if name in (gpu_bench.BASE, gpu_bench.DEEP,
+                                                       gpu_bench.MULTIPATH) else [])], name
         assert all(s > 0 for s in phases.values()) and sum(phases.values()) < row["seconds"]
     assert {n for n, r in rows.items() if "beam_sentences_per_s" in r} == \
         {gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH}
@@ -146,6 +151,28 @@ def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
     assert f"| kernel launches per update, {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP} |" in report
     assert "| row | process_start | build | flops | first_update | warmup | timed_windows |" \
         in report
+    # a compiled row reports no counts: the counters would have seen its eager layers
+    compiled = rows[gpu_bench.BASE + gpu_bench.COMPILED]
+    assert "kernel_launches_per_update" not in compiled and "host_syncs_per_update" not in compiled
+    assert compiled["counters"] == gpu_bench.COUNTERS_SKIPPED
+    line = next(l for l in report.splitlines() if l.startswith(f"| {gpu_bench.BASE}, --compile"))
+    assert line.split(" | ")[7:9] == ["n/a", "n/a"]
+
+
+def test_a_compiled_function_runs_eagerly_under_the_kernel_counter():
+    """Why the compiled rows report no counts: under a dispatch mode torch.compile runs the
+    function's eager ops, the counter sees exactly what eager launches, never the compiled
+    kernels."""
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    compiled = torch.compile(layer.forward, backend="aot_eager", dynamic=True)
+    x = torch.randn(4, 8)
+    compiled(x).sum().backward()  # compiled outside the counter
+    counts = []
+    for forward in (compiled, layer.forward):
+        with KernelLaunchCounter() as kernels:
+            forward(x).sum().backward()
+        counts.append(dict(kernels.by_op))
+    assert counts[0] == counts[1] and counts[0]["addmm"] == 1
 
 
 @pytest.mark.slow
