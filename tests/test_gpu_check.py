@@ -20,6 +20,7 @@ from conftest import ROOT, clean_env, run_cli
 from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_check
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
+from multipath_nmt.benchmark.report import git_commit
 from multipath_nmt.benchmark.systems import build_trainer_from_argv
 
 TINY = gpu_check.CHECK_SIZES["tiny"]
@@ -243,6 +244,10 @@ def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
     result = json.loads((tmp_path / "check.json").read_text())
     assert list(result["systems"]) == systems
     assert result["precision_flags"] == ["--memory-efficient-fp16"] and result["ddp_gpus"] == 0
+    # where the figures come from: versions, commit and the command
+    env = result["environment"]
+    assert env["torch"] == torch.__version__ and env["commit"] == git_commit() and env["fairseq"]
+    assert result["command"].endswith("--only " + shlex.join(systems))
     for row in result["systems"].values():
         assert "error" not in row and row["losses_finite"]
         # train.sh's command, fairseq's fp16 optimizer added; fp32 reached over the same updates
@@ -261,6 +266,7 @@ def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
         assert any("decoder" in site for site in training) and training.keys() == inference.keys()
     report = (tmp_path / "check.md").read_text()
     assert f"| {gpu_check.STOCK} | yes |" in report
+    assert f"torch {torch.__version__}, CUDA None, driver None" in report.splitlines()[0]
     assert f"The check took {result['seconds']:.0f} s." in report
     assert f"gpu-check: took {result['seconds']:.0f} s" in proc.stderr
     assert re.search(r"gpu-check.sh: reports in .*; exit status 0; took \d+ s$", proc.stderr)

@@ -27,13 +27,10 @@ host syncs and the kernel launches of an update are measured in passes of their 
 timed windows. MFU is the measured training FLOPs per token x tokens/s over the matrix-multiply
 rate this card reached in the same run, in the row's compute dtype.
 """
-import contextlib
-import importlib.metadata
 import itertools
 import json
 import math
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -46,7 +43,7 @@ from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
 from multipath_nmt.benchmark.flops import matmul_peak_flops, training_flops_per_token
 from multipath_nmt.benchmark.gpu_check_setup import check_command, model_flags
 from multipath_nmt.benchmark.micro_batch import update_profile
-from multipath_nmt.benchmark.report import git_commit
+from multipath_nmt.benchmark.report import environment
 from multipath_nmt.benchmark.systems import System, build_trainer_from_argv, systems_for
 from multipath_nmt.benchmark.timing import ForwardBackwardClock, summary, time_update_windows
 from multipath_nmt.fairseq_patches.wrapping import patches_of
@@ -283,34 +280,6 @@ def _row_main(spec_path, out_path):
 
 
 # --- the whole run -----------------------------------------------------------------------------
-
-def environment(device, commit=None):
-    """Where the figures come from: device, driver, versions, commit."""
-    def version(package):
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "fairseq": version("ve-fairseq") or version("fairseq"),
-            "cpu_cores": os.cpu_count(), "commit": commit or git_commit()}
-    if device == "cuda":
-        info.update(device=torch.cuda.get_device_name(),
-                    gpus=torch.cuda.device_count(),
-                    cudnn=torch.backends.cudnn.version(), driver=_nvidia_driver())
-    else:
-        info["device"] = f"CPU ({platform.processor() or platform.machine()})"
-    return info
-
-
-def _nvidia_driver():
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, check=True).stdout.split()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return None
-
 
 def run(size_name="gpu", device="cuda", precision="bf16", only=None, compile_backend="inductor",
         commit=None, budget_s=None, log=print, on_row=None):

@@ -53,6 +53,7 @@ import gc
 import json
 import math
 import shlex
+import sys
 import tempfile
 import time
 
@@ -85,7 +86,7 @@ from multipath_nmt.benchmark.gpu_check_training import (  # noqa: F401
     MAX_GAP_OF_FALL, SyncWarnings, compare_losses, compare_precisions, compare_translations,
     compute_dtype, halvings, loss_scale_reader, train_and_watch, translations,
 )
-from multipath_nmt.benchmark.report import machine_description
+from multipath_nmt.benchmark.report import environment, machine_description
 from multipath_nmt.benchmark.systems import build_trainer_from_argv
 
 
@@ -187,7 +188,7 @@ def check_system(size, system, data_dir, precision, device, from_data_bin, count
 
 def run_check(size_name="gpu", device="cuda", precision="auto", data=None, only=None,
               log=print, count_syncs=None, ddp_gpus=None, bf16=None, table=True,
-              recipe_systems=None, recipe_jobs=None):
+              recipe_systems=None, recipe_jobs=None, commit=None):
     """Check every system; returns the result dict ``markdown_report`` renders. ``data``: a
     data-bin (joined dictionary) whose train and valid splits give the batches. ``ddp_gpus``:
     GPUs for the fairseq-train runs (default: 2 where 2 or more are visible, else none).
@@ -195,7 +196,7 @@ def run_check(size_name="gpu", device="cuda", precision="auto", data=None, only=
     ``table``: whether to run the per-family table; ``recipe_systems``: the systems of the
     recipe leg (none: no recipe leg; the CLI's default is ``RECIPE_SYSTEMS``), run with
     ``recipe_jobs`` chains side by side (default: all of them on CUDA, one per core on the
-    CPU)."""
+    CPU). ``commit``: the commit measured, recorded with the versions (default: the checkout's)."""
     from fairseq.data import data_utils
 
     start = time.perf_counter()
@@ -234,6 +235,8 @@ def run_check(size_name="gpu", device="cuda", precision="auto", data=None, only=
             "precision_flags": precision_flags(trained_in),
             "update_freq": UPDATE_FREQ, "lr_warmup_updates": size["lr_warmup_updates"],
             "max_gap_of_fall": MAX_GAP_OF_FALL, "ddp_gpus": ddp_gpus,
-            "data": data, "machine": machine_description(device), "systems": results,
+            "data": data, "machine": machine_description(device),
+            "environment": environment(device, commit), "command": shlex.join(sys.argv),
+            "systems": results,
             "table": table, "recipe": leg,
             "seconds": time.perf_counter() - start}

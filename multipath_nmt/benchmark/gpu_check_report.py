@@ -23,13 +23,17 @@ def _number(value, form):
 def markdown_report(result):
     systems = result["systems"]
     flags = " ".join(result.get("precision_flags", [])) or "no precision flags"
+    env = result.get("environment")
+    versions = (f" (torch {env['torch']}, CUDA {env['cuda']}, driver {env.get('driver')}, "
+                f"fairseq {env['fairseq']}, Python {env['python']}; commit {env['commit']})"
+                if env else "")
     lines = [
-        f"Machine: {result['machine']}; device {result['device']}, {result['precision']} "
-        f"(`{flags}`); size `{result['size']}` {json.dumps(result['shape'])}; batches: "
+        f"Machine: {result['machine']}{versions}; device {result['device']}, "
+        f"{result['precision']} (`{flags}`); size `{result['size']}` "
+        f"{json.dumps(result['shape'])}; batches: "
         f"{result['data'] or 'synthetic, length-varied'}. Speed is `scripts/gpu-bench.sh`'s "
-        "(BENCHMARKS.md), not the check's: the few steps it times, right after its "
-        "sync-counted ones, gave the stock model 6,878 tokens/s on an H200 where gpu-bench "
-        "measured 49,211 (docs/bench/gpu-check-h200.json, gpu-bench-h200.json).", "",
+        "(BENCHMARKS.md), not the check's: the few steps it times follow its sync-counted "
+        "ones and are no measure of speed.", "",
     ]
     if result.get("table") is False:
         lines += ["The per-family table: not run (--no-table).", ""]

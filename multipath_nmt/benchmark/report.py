@@ -1,6 +1,7 @@
 """The report of ``multipath-bench``: the targets of the benchmark issue as measured ratios, and
 the result as bench.json, bench.md (a markdown table) and bench.png (tokens/s and MFU per system),
 each written atomically."""
+import importlib.metadata
 import json
 import os
 import platform
@@ -18,6 +19,34 @@ def git_commit():
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True, cwd=os.path.dirname(__file__)).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def environment(device, commit=None):
+    """Where the figures come from: device, driver, versions, commit."""
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "fairseq": version("ve-fairseq") or version("fairseq"),
+            "cpu_cores": os.cpu_count(), "commit": commit or git_commit()}
+    if device == "cuda":
+        info.update(device=torch.cuda.get_device_name(),
+                    gpus=torch.cuda.device_count(),
+                    cudnn=torch.backends.cudnn.version(), driver=_nvidia_driver())
+    else:
+        info["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    return info
+
+
+def _nvidia_driver():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
         return None
 
 

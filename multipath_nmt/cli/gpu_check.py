@@ -48,6 +48,8 @@ def build_parser():
                         help="the recipe leg's systems, or 'all' (default: "
                              f"{', '.join(repr(n) for n in gpu_check.RECIPE_SYSTEMS)}, those "
                              "among --only where it is given)")
+    parser.add_argument("--commit", help="the commit measured, where the tree has no .git "
+                                          "(recorded in check.json with the versions)")
     parser.add_argument("--recipe-jobs", type=int, metavar="N",
                         help="fairseq-train chains of the recipe leg run side by side "
                              "(default: all of them on CUDA, 1 on the CPU)")
@@ -90,7 +92,7 @@ def main(argv=None):
     result = gpu_check.run_check(args.size, args.device, args.precision, args.data, args.only,
                                  log=log, ddp_gpus=0 if args.no_ddp or args.no_table else None,
                                  table=not args.no_table, recipe_systems=recipe_systems,
-                                 recipe_jobs=args.recipe_jobs)
+                                 recipe_jobs=args.recipe_jobs, commit=args.commit)
     gpu_check.write_reports(result, args.out)
     print(gpu_check.markdown_report(result))
     print(f"wrote {args.out}/check.json and check.md", file=sys.stderr)
