@@ -18,7 +18,8 @@ Each precision (train.sh's, then fp32) is a chain of two processes in one save d
 updates, then the same command with ``--max-update 2K``, which must load ``checkpoint_last.pt``
 at update ``K`` (fairseq's "Loaded checkpoint ... (epoch E @ K updates)") and log updates K+1 to
 2K. The chains are independent, so they run side by side (``jobs``): each fairseq-train process
-spends 10-15 s starting on a GPU machine, mostly importing, which overlaps. The mixed-precision
+spends its first seconds importing (about 5 s on an H200, docs/bench/gpu-check-recipe-h200.json),
+which overlaps. The mixed-precision
 loss passes as in the per-family table: its last loss within ``MAX_GAP_OF_FALL`` of the loss
 fall that fp32 reached over the same updates (same seed, same data order).
 """
@@ -43,8 +44,8 @@ from multipath_nmt.benchmark.gpu_check_setup import CPU_STAND_INS, STOCK, model_
 from multipath_nmt.benchmark.gpu_check_training import compare_losses
 
 # The systems the leg runs by default: the yardstick and the deep recipe's multi-path model
-# (update-freq 8 and 16 on one GPU). Every family fits too (--recipe-systems all), at about 10 s
-# more per system on an H200 (an estimate: its 2 chains run beside the others).
+# (update-freq 8 and 16 on one GPU). Every family can run (--recipe-systems all); its time on a
+# GPU is not measured.
 RECIPE_SYSTEMS = (STOCK, "multi-path L x 4 (full)")
 TRAIN_SH = os.path.join(os.path.dirname(recipe.USER_DIR), "scripts", "train.sh")
 # What the leg changes in train.sh's command, and nothing else (the tests hold it to this): the

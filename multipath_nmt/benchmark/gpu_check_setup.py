@@ -14,22 +14,13 @@ from multipath_nmt.benchmark.systems import System, systems_for
 # ``recipe_updates`` (K) per run, then resumed to 2K, a save and a validation every
 # ``recipe_interval`` updates, micro-batches of ``recipe_max_tokens`` (train.sh's update-freq
 # kept), ``recipe_valid_sentences`` in the valid split, each process killed after
-# ``recipe_timeout`` seconds (on the GPU 4 times what one should take: a hung process must not
-# eat the device time).
+# ``recipe_timeout`` seconds (on the GPU 3.6 times the longest measured below: a hung process
+# must not eat the device time).
 #
-# Time on one H200 (scripts/gpu-check.sh --no-bench --no-ddp must stay within 3.5 minutes). What
-# was measured: the table took 224 s for 7 systems at 50 steps (10 + 10 + 30) and 256 beam
-# sentences, about 32 s per system, and its sync-counted steps ran at about 1/7 of the speed of
-# uncounted ones (docs/gpu.md). Everything below is an estimate from that, nothing of it measured
-# yet: at 20 steps (4 + 2 + 14; syncs per step repeat from step to step, 2 steps count them) and
-# 32 beam sentences, about 16 s per system (building 2 trainers 4 s, FLOP counting and GEMM peak
-# 1 s, warm-up 2 s, counted steps 2 s, timed steps 2 s, fp32's 20 steps 3 s, beam search 2 s),
-# 115 s for 7, plus 15 s to start: 130 s. The recipe leg: 4 chains side by side (stock and
-# multi-path 6 x 4, bf16 and fp32), each 2 fairseq-train starts (10-15 s each), 2 x 4 updates of
-# 8 or 16 micro-batches of 1,024 tokens (host-bound at d 512: about 1-1.5 s per multi-path update
-# with 4 processes on the GPU), 4 validations and 4 saves of up to 1.4 GB (multi-path with Adam's
-# state: 3-4 s each, a file and its copies): about 55 s. Together about 190 s, and 5 s for the
-# script's own start.
+# Time on one H200 (BENCHMARKS.md, docs/gpu.md): the table, 121 s for 7 systems (at c5b0c09,
+# docs/bench/gpu-check-h200.json); the recipe leg alone, 142 s (at 57ea5f2,
+# docs/bench/gpu-check-recipe-h200.json): its longest process, multi-path 6 x 4's first bf16 run,
+# took 66 s beside the other three chains.
 CHECK_SIZES = {
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
                  max_tokens=256, mean_length=12, steps=6, warmup_steps=2, sync_steps=2,
@@ -40,7 +31,7 @@ CHECK_SIZES = {
                 max_tokens=4096, mean_length=28, steps=20, warmup_steps=4, sync_steps=2,
                 lr_warmup_updates=5, beam_sentences=32, gemm_repeats=20, ddp_updates=20,
                 recipe_updates=4, recipe_interval=2, recipe_max_tokens=1024,
-                recipe_lr_warmup_updates=3, recipe_valid_sentences=80, recipe_timeout=120),
+                recipe_lr_warmup_updates=3, recipe_valid_sentences=80, recipe_timeout=240),
 }
 # train.sh's micro-batches per update: its default batch is max-tokens x GPUs x 2 for the deep
 # recipe (the check asks for that batch with --batch-tokens, for every arch)
