@@ -4,7 +4,7 @@
 # plug-in's patches) and of every architecture family through the command scripts/train.sh runs
 # (its precision, adam_fused, the plug-in), eager and --compile-layers for the base and
 # multi-path 6x4 models, and beam-4 decoding as scripts/translate.sh runs it. Each row in a
-# process of its own; about 6 minutes on one H100 or H200.
+# process of its own; 348 s on one H200 (BENCHMARKS.md).
 #   scripts/gpu-bench.sh [--out DIR] [--only ROW ...] [--precision P] [--commit SHA]
 #                        [--device cpu --size tiny]   (the report's form, on the CPU)
 # Writes DIR/gpu-bench.json (device, driver, torch and CUDA versions, commit, every row's

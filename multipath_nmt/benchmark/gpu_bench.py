@@ -178,7 +178,7 @@ def measure_row(spec, size, device):
     phase("first_update")
     # Every batch once before the clock (their shapes' kernels, allocator blocks; compiled:
     # their graphs): on an H200 the first timed window still ran at a third of the others'
-    # pace after 5 warm-up updates of 16 batches (docs/bench/gpu-bench-h200.json).
+    # pace after 5 warm-up updates of 16 batches (the 2026-11-27 run, docs/history.md).
     warmup = max(size["warmup_updates"], math.ceil(len(samples) / update_freq))
     for _ in range(warmup * (2 if spec.get("compiled") else 1)):
         update()
@@ -377,7 +377,7 @@ def targets(result):
         target(f"kernel launches per update, {MULTIPATH} vs {DEEP}",
                launches[MULTIPATH] / launches[DEEP], 1.0, higher_is_better=False)
     # Host syncs against stock fairseq's transformer trained as train.sh trains it: the
-    # anchor's count is not comparable (on an H200, 2026-11-27, the counter saw none of the
+    # anchor's count is not comparable (on an H200, 2026-11-27 and -28, the counter saw none of the
     # per-layer padding reads of fairseq's encoder in the anchor's process, which every row
     # runs, so it undercounts there; gpu-bench-h200.json keeps its raw figure).
     base_syncs = r.get(BASE, {}).get("host_syncs_per_update")
