@@ -75,6 +75,8 @@ mixed_precision   ``AMPOptimizer.step``                                       ``
                   ``AMPOptimizer.state_dict``,                                ``--amp``'s loss scaler state was not saved: a       fairseq 0.12  tests/test_mixed_precision.py::test_amp_optimizer_state_holds_the_loss_scaler_state
                   ``AMPOptimizer.load_state_dict``                            resume restarted at the initial scale (128)                        tests/test_mixed_precision.py::test_a_checkpoint_without_the_scaler_state_loads_with_fairseqs_initial_scale
                                                                                                                                                  tests/test_mixed_precision.py::test_fp16_amp_resume_keeps_the_loss_scale_and_is_bit_exact
+grad_norm         ``utils.multi_tensor_total_norm``                           without apex, one norm kernel per parameter at       fairseq 0.12  tests/test_grad_norm.py::test_the_norm_and_the_clipped_gradients_are_fairseqs
+                  (and ``utils.multi_tensor_l2norm_available``)               every update; now ``torch._foreach_norm``                          tests/test_grad_norm.py::test_one_update_launches_a_few_norm_kernels_not_one_per_parameter
 attention         ``MultiheadAttention.forward``                              mask tensors ruled out flash attention in the        torch >= 2.0  tests/test_attention.py::test_causal_self_attention_is_exact_at_every_unpadded_position
                                                                               decoder; cross-attention skipped SDPA. Under                       tests/test_attention.py::test_encoder_decoder_attention_takes_the_sdpa_path_with_fairseqs_numbers
                                                                               TorchScript: fairseq's forward (on the class as                    tests/test_fairseq_compat_suite.py::test_transformer_scripts_as_fairseqs_and_computes_the_same
@@ -125,11 +127,12 @@ import logging
 import os
 
 from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, compile_layers,
-                                           data_bins, distributed, ewa_trainer, help_flags,
-                                           mixed_precision, numerics, preemption, torch_compat)
+                                           data_bins, distributed, ewa_trainer, grad_norm,
+                                           help_flags, mixed_precision, numerics, preemption,
+                                           torch_compat)
 
 MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distributed, numerics,
-           mixed_precision, attention, ewa_trainer, preemption, compile_layers)
+           mixed_precision, grad_norm, attention, ewa_trainer, preemption, compile_layers)
 
 
 NAMES = tuple(module.__name__.rsplit(".", 1)[1] for module in MODULES)

@@ -18,6 +18,7 @@ import traceback
 def patched_attributes():
     """(owner, name) of every attribute the patches replace, fairseq_cli.train's included."""
     from fairseq import checkpoint_utils, options
+    from fairseq import utils as fairseq_utils
     from fairseq.data import data_utils
     from fairseq.distributed import utils as distributed_utils
     from fairseq.file_io import PathManager
@@ -42,7 +43,7 @@ def patched_attributes():
             (AMPOptimizer, "step"), (AMPOptimizer, "__init__"), (FairseqTask, "train_step"),
             (CheckpointFunction, "forward"), (TranslationTask, "setup_task"),
             (TranslationTask, "load_dataset"), (checkpoint_utils, "save_checkpoint"),
-            (options, "add_optimization_args")]
+            (options, "add_optimization_args"), (fairseq_utils, "multi_tensor_total_norm")]
 
 
 def _train_script_attributes():
