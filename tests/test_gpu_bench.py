@@ -202,3 +202,15 @@ def test_proxies_count_kernels_and_syncs_of_a_whole_update(tmp_path):
     assert saved["commit"] and [t["target"] for t in saved["targets"]][:2] == [7, 7]
     assert "| 7. kernel launches per update, multi-path L x 4 vs deep 4L |" in report
     assert "| 8. host syncs per update, ParameterNet (routed, both), more than stock's" in report
+    # the host's floor: every system timed at d 16; stock at 4 times the width too
+    floor = saved["host_floor"]
+    assert floor["dim"] == 16 and floor["check"]["dim"] == 64
+    for name in only:
+        ms = systems[name]["host_ms_per_update"]
+        assert 0 < ms["min"] <= ms["median"] <= ms["max"] and len(ms["values"]) == 5, name
+    # deeper costs the host more at the floor: 4 times the encoder layers
+    assert systems["stock deep 4L"]["host_ms_per_update"]["median"] > \
+        1.5 * systems["stock prenorm L"]["host_ms_per_update"]["median"]
+    assert "| 7. host ms per update at the host's floor, multi-path L x 4 vs deep 4L |" in report
+    assert "host floor ms per update | vs stock |" in report
+    assert "stock prenorm L at d 64: " in report

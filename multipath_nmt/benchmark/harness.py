@@ -25,6 +25,7 @@ from multipath_nmt.benchmark.timing import (
     steps_per_measurement,
     summary,
     time_train_steps,
+    time_update_windows,
     tokens_of_steps,
 )
 
@@ -140,11 +141,20 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
     }
 
 
+# The host's floor: each system at this shape (the size's layers, d 16, 2 sentences of 8 tokens)
+# does almost no arithmetic per kernel, so an update's time is the host's own work (Python,
+# fairseq's trainer, autograd, the dispatcher): the pace a GPU cannot beat once the host sets it.
+# ``check_dim``: stock timed again at 4 times the width, to show the kernels are nearly free there.
+HOST_FLOOR = dict(dim=16, ffn=32, heads=2, batch=2, length=8, warmup=3, windows=5,
+                  window_seconds=0.5, check_dim=64)
+
+
 def run_proxies(size_name="default", device="cpu", precision="fp32", only=None, log=print):
     """``multipath-bench --proxies``: every system built and warmed up as :func:`run` builds it,
-    then only counted, not timed: its host syncs per micro-batch and the host syncs and kernel
-    launches of one whole update (the CPU proxies of a GPU's pace; counts, not times, so they
-    hold on a loaded machine)."""
+    then counted: its host syncs per micro-batch and the host syncs and kernel launches of one
+    whole update (counts, not times, so they hold on a loaded machine); then the host's time
+    per update at :data:`HOST_FLOOR`'s shape (a time: read it on an idle machine). The CPU
+    proxies of a GPU's pace."""
     size = SIZES[size_name]
     systems = [s for s in systems_for(size) if not only or s.name in only]
     results = {}
@@ -154,14 +164,43 @@ def run_proxies(size_name="default", device="cpu", precision="fp32", only=None, 
                 _, row = _build_and_warm_up(system, data, size, device,
                                             recipe.PRECISIONS[precision], False, set(),
                                             timed=False)
+                row["host_ms_per_update"] = host_floor_ms(system, data, size, device,
+                                                          recipe.PRECISIONS[precision])
             except Exception as error:  # a failed system is a finding; count the others
                 row = _failed(system, error)
             results[system.name] = row
             log(f"{system.name}: {row.get('kernel_launches_per_update')} kernel launches, "
-                f"{row.get('host_syncs_per_update')} host syncs per update")
+                f"{row.get('host_syncs_per_update')} host syncs per update, host floor "
+                f"{row.get('host_ms_per_update', {}).get('median', float('nan')):.1f} ms")
+        check = next((s for s in systems if s.name == "stock prenorm L"), None)
+        floor_check = None
+        if check and "host_ms_per_update" in results[check.name]:
+            wide = host_floor_ms(check, data, size, device, recipe.PRECISIONS[precision],
+                                 dim=HOST_FLOOR["check_dim"])
+            floor_check = dict(system=check.name, dim=HOST_FLOOR["check_dim"],
+                               host_ms_per_update=wide)
     return {"size": size_name, "shape": size, "device": device, "precision": precision,
             "machine": machine_description(device), "commit": git_commit(),
-            "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results}
+            "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results,
+            "host_floor": dict(HOST_FLOOR, check=floor_check)}
+
+
+def host_floor_ms(system, data, size, device, precision_flags, dim=None):
+    """Milliseconds per whole update (one micro-batch) of ``system`` at :data:`HOST_FLOOR`'s
+    shape (``dim``: another width): the median of its windows, with min-max."""
+    floor = dict(size, **{k: HOST_FLOOR[k] for k in ("dim", "ffn", "heads", "batch", "length")})
+    if dim:
+        floor.update(dim=dim, ffn=2 * dim)
+    trainer, task = build_trainer(data, [*fairseq_flags(floor, system), *precision_flags],
+                                  device, False, system.loop_reference)
+    sample = synthetic_batch(floor, len(task.source_dictionary))
+    update = lambda: trainer.train_step([sample])  # noqa: E731
+    for _ in range(HOST_FLOOR["warmup"]):
+        update()
+    [probe] = time_update_windows(update, 1, 3, device)
+    per_window = max(3, round(HOST_FLOOR["window_seconds"] / (probe / 3)))
+    seconds = time_update_windows(update, HOST_FLOOR["windows"], per_window, device)
+    return summary([1e3 * s / per_window for s in seconds])
 
 
 def _error_line(error):

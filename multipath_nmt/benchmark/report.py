@@ -121,6 +121,11 @@ def proxy_targets(systems):
            launch_ratio("multi-path L x 4 (full)", "stock deep 4L"), 1.0)
     target(7, "kernel launches per update, cheap features vs the same model without them",
            launch_ratio("multi-path L x 4 (+cheap features)", "multi-path L x 4 (full)"), 1.1)
+    floors = {name: row["host_ms_per_update"]["median"] for name, row in systems.items()
+              if "host_ms_per_update" in row}
+    if "multi-path L x 4 (full)" in floors and "stock deep 4L" in floors:
+        target(7, "host ms per update at the host's floor, multi-path L x 4 vs deep 4L",
+               floors["multi-path L x 4 (full)"] / floors["stock deep 4L"], 1.0)
     stock = systems.get("stock prenorm L") or {}
     stock_syncs = stock.get("host_syncs_per_update")
     for name, row in systems.items():
@@ -136,21 +141,40 @@ def proxy_targets(systems):
 def proxies_markdown(result):
     """``multipath-bench --proxies``: every system's kernel launches and host syncs per update,
     and targets 7 and 8."""
+    floor = result.get("host_floor")
     lines = [f"Kernel launches and host syncs of one whole training update (forward, loss, "
              f"backward, optimizer; `multipath_nmt/benchmark/kernels.py`, "
              f"`multipath_nmt/host_syncs.py`), size `{result['size']}`, {result['device']}, "
-             f"{result['precision']}: `{result['command']}`", "",
-             "| group | system | kernel launches per update | vs stock | host syncs per update "
-             "| host syncs per micro-batch |", "|---|---|---|---|---|---|"]
-    stock = result["systems"].get("stock prenorm L", {}).get("kernel_launches_per_update")
+             f"{result['precision']}: `{result['command']}`; commit {result['commit']}; "
+             f"{result['machine']}."]
+    if floor:
+        lines.append(
+            f"Host floor: ms per whole update of each system with its layers at d {floor['dim']}, "
+            f"FFN {floor['ffn']}, {floor['batch']} sentences of {floor['length']} tokens (kernels "
+            f"nearly free: the host's own time), median [min-max] of {floor['windows']} windows.")
+        check = floor.get("check")
+        if check:
+            base = result["systems"][check["system"]]["host_ms_per_update"]["median"]
+            wide = check["host_ms_per_update"]["median"]
+            lines.append(f"{check['system']} at d {check['dim']}: {wide:.1f} ms, "
+                         f"{wide / base:.2f}x its time at d {floor['dim']}.")
+    lines += ["", "| group | system | kernel launches per update | vs stock | host syncs per update "
+              "| host syncs per micro-batch | host floor ms per update | vs stock |",
+              "|---|---|---|---|---|---|---|---|"]
+    stock_row = result["systems"].get("stock prenorm L", {})
+    stock = stock_row.get("kernel_launches_per_update")
+    stock_ms = stock_row.get("host_ms_per_update", {}).get("median")
     for name, r in result["systems"].items():
         if "error" in r:
-            lines.append(f"| {r['group']} | {name} | **failed: {r['error']}** | | | |")
+            lines.append(f"| {r['group']} | {name} | **failed: {r['error']}** | | | | | |")
             continue
         launches = r["kernel_launches_per_update"]
         versus = f"{launches / stock:.2f}x" if stock else ""
+        ms = r.get("host_ms_per_update")
+        host = (f"{_spread(ms, '{:.1f}')} | {ms['median'] / stock_ms:.2f}x" if ms and stock_ms
+                else (_spread(ms, '{:.1f}') + " |" if ms else " |"))
         lines.append(f"| {r['group']} | {name} | {launches:,} | {versus} | "
-                     f"{r['host_syncs_per_update']} | {r['host_syncs']} |")
+                     f"{r['host_syncs_per_update']} | {r['host_syncs']} | {host} |")
     lines += ["", "| target | measured | needed | met |", "|---|---|---|---|"]
     for row in proxy_targets(result["systems"]):
         lines.append(f"| {row['target']}. {row['text']} | {row['value']:.3f} | "
