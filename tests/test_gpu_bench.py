@@ -182,6 +182,7 @@ def test_proxies_count_kernels_and_syncs_of_a_whole_update(tmp_path):
 
     only = ["stock prenorm L", "stock deep 4L", "multi-path L x 4 (full)",
             "multi-path L x 4 (+cheap features)", "ParameterNet (routed, both)"]
+    threads = torch.get_num_threads()
     result = benchmark.run_proxies("tiny", only=only, log=lambda m: None)
     systems = result["systems"]
     L = benchmark.SIZES["tiny"]["base_layers"]
@@ -204,13 +205,10 @@ def test_proxies_count_kernels_and_syncs_of_a_whole_update(tmp_path):
     assert "| 8. host syncs per update, ParameterNet (routed, both), more than stock's" in report
     # the host's floor: every system timed at d 16; stock at 4 times the width too
     floor = saved["host_floor"]
-    assert floor["dim"] == 16 and floor["check"]["dim"] == 64
+    assert floor["dim"] == 16 and floor["check"]["dim"] == 8 and floor["threads"] == 1
     for name in only:
         ms = systems[name]["host_ms_per_update"]
-        assert 0 < ms["min"] <= ms["median"] <= ms["max"] and len(ms["values"]) == 5, name
-    # deeper costs the host more at the floor: 4 times the encoder layers
-    assert systems["stock deep 4L"]["host_ms_per_update"]["median"] > \
-        1.5 * systems["stock prenorm L"]["host_ms_per_update"]["median"]
+        assert 0 < ms["min"] <= ms["median"] <= ms["max"] and len(ms["values"]) == 7, name
     assert "| 7. host ms per update at the host's floor, multi-path L x 4 vs deep 4L |" in report
     assert "host floor ms per update | vs stock |" in report
-    assert "stock prenorm L at d 64: " in report
+    assert "stock prenorm L at d 8: " in report and torch.get_num_threads() == threads

@@ -144,9 +144,11 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
 # The host's floor: each system at this shape (the size's layers, d 16, 2 sentences of 8 tokens)
 # does almost no arithmetic per kernel, so an update's time is the host's own work (Python,
 # fairseq's trainer, autograd, the dispatcher): the pace a GPU cannot beat once the host sets it.
-# ``check_dim``: stock timed again at 4 times the width, to show the kernels are nearly free there.
-HOST_FLOOR = dict(dim=16, ffn=32, heads=2, batch=2, length=8, warmup=3, windows=5,
-                  window_seconds=0.5, check_dim=64)
+# On one thread: with 2, OpenMP's start of each tiny op doubled the time on this machine, a cost
+# a GPU's host thread does not pay. ``check_dim``: stock timed again at half the width; about
+# the same time says the kernels cost nearly nothing at d 16.
+HOST_FLOOR = dict(dim=16, ffn=32, heads=2, batch=2, length=8, warmup=3, windows=7,
+                  window_seconds=0.5, check_dim=8, threads=1)
 
 
 def run_proxies(size_name="default", device="cpu", precision="fp32", only=None, log=print):
@@ -190,16 +192,21 @@ def host_floor_ms(system, data, size, device, precision_flags, dim=None):
     shape (``dim``: another width): the median of its windows, with min-max."""
     floor = dict(size, **{k: HOST_FLOOR[k] for k in ("dim", "ffn", "heads", "batch", "length")})
     if dim:
-        floor.update(dim=dim, ffn=2 * dim)
+        floor.update(dim=dim, ffn=2 * dim, heads=min(floor["heads"], dim))
     trainer, task = build_trainer(data, [*fairseq_flags(floor, system), *precision_flags],
                                   device, False, system.loop_reference)
     sample = synthetic_batch(floor, len(task.source_dictionary))
     update = lambda: trainer.train_step([sample])  # noqa: E731
-    for _ in range(HOST_FLOOR["warmup"]):
-        update()
-    [probe] = time_update_windows(update, 1, 3, device)
-    per_window = max(3, round(HOST_FLOOR["window_seconds"] / (probe / 3)))
-    seconds = time_update_windows(update, HOST_FLOOR["windows"], per_window, device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(HOST_FLOOR["threads"])
+    try:
+        for _ in range(HOST_FLOOR["warmup"]):
+            update()
+        [probe] = time_update_windows(update, 1, 3, device)
+        per_window = max(3, round(HOST_FLOOR["window_seconds"] / (probe / 3)))
+        seconds = time_update_windows(update, HOST_FLOOR["windows"], per_window, device)
+    finally:
+        torch.set_num_threads(threads)
     return summary([1e3 * s / per_window for s in seconds])
 
 

@@ -151,7 +151,8 @@ def proxies_markdown(result):
         lines.append(
             f"Host floor: ms per whole update of each system with its layers at d {floor['dim']}, "
             f"FFN {floor['ffn']}, {floor['batch']} sentences of {floor['length']} tokens (kernels "
-            f"nearly free: the host's own time), median [min-max] of {floor['windows']} windows.")
+            f"nearly free: the host's own time), {floor.get('threads', 1)} thread, median "
+            f"[min-max] of {floor['windows']} windows.")
         check = floor.get("check")
         if check:
             base = result["systems"][check["system"]]["host_ms_per_update"]["median"]
