@@ -36,8 +36,9 @@ def build_parser():
                              "compiled.json and compiled.md")
     parser.add_argument("--proxies", action="store_true",
                         help="instead of the full report: count every system's kernel launches "
-                             "and host syncs per update (the CPU proxies of a GPU's pace; no "
-                             "timing, about a minute); writes proxies.json and proxies.md")
+                             "and host syncs per update, and time its update at d 16 on one "
+                             "thread (the host's floor): the CPU proxies of a GPU's pace, about "
+                             "3 minutes; writes proxies.json and proxies.md")
     parser.add_argument("--out", default="results/bench",
                         help="folder for bench.json, bench.md and bench.png")
     return parser
