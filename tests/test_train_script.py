@@ -7,6 +7,7 @@ import shlex
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, TINY_MODEL, USER_DIR, clean_env, dictionaries_only_data_bin, run_cli
 
@@ -25,6 +26,13 @@ def fake_data_bin(tmp_path):
 
 
 def _dry_run(data_bin, *args, gpus="0", check=True, **env):
+    # GPUs without bfloat16 unless a test says otherwise: what torch answers on a machine
+    # without a GPU, given to the recipe so that it need not import torch to ask (2.5 s a run)
+    # and the tests read the same on a machine with one (test_precision_auto_asks_the_gpu
+    # leaves it to torch)
+    if gpus != "0":
+        env.setdefault("MULTIPATH_NMT_BF16", "0")
+    env = {k: v for k, v in env.items() if v is not None}  # None: leave it unset
     env = clean_env(PYTHON=sys.executable, MULTIPATH_NMT_NUM_GPUS=gpus, **env)
     return run_cli(["bash", TRAIN_SH, data_bin, "save", *args, "--dry-run"], env=env, check=check)
 
@@ -115,8 +123,8 @@ def test_the_papers_global_batch_on_gpus(fake_data_bin, arch, gpus, max_tokens, 
             f"update-freq = {total:,} tokens per update (the paper's {total // 8:,}, read as per GPU, x 8 "
             f"GPUs)") in proc.stdout
     assert (flags["--lr"], flags["--warmup-updates"]) == (("0.002", "16000") if deep else ("0.001", "8000"))
-    # every arch: fp16 autocast over fp32 weights on a GPU without bfloat16 (the default here:
-    # torch sees no GPU; MULTIPATH_NMT_BF16 unset)
+    # every arch: fp16 autocast over fp32 weights on a GPU without bfloat16 (_dry_run's
+    # MULTIPATH_NMT_BF16=0)
     assert flags["--amp"] is True and "--fp16" not in flags and "--bf16" not in flags
     assert "--cpu" not in flags
     assert (f"train.sh: {gpus} GPU(s), precision fp16 (float16 autocast, fp32 weights, dynamic "
@@ -192,6 +200,14 @@ def test_multipath_and_deep_archs_get_the_same_precision_flags(fake_data_bin, gp
                                    gpus=gpus, **env))
         assert [w for w in words if w in PRECISION_WORDS] == expected, arch
         assert "--precision" not in words  # train.sh's own flag
+
+
+def test_precision_auto_asks_the_gpu_whether_it_has_bfloat16(fake_data_bin):
+    """Without MULTIPATH_NMT_BF16, train.sh asks torch about the first GPU."""
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", gpus="1",
+                    MULTIPATH_NMT_BF16=None)
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    assert f"train.sh: 1 GPU(s), precision {'bf16' if bf16 else 'fp16'} (" in proc.stdout
 
 
 def test_fp16_on_the_cpu_is_refused_in_one_line(fake_data_bin):
