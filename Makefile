@@ -28,9 +28,10 @@ test: install
 
 # The loop while you work: every test but the slow ones (trainings, end-to-end runs: the tests
 # marked slow, and those on a fixture that requests `trains`; tests/conftest.py). CI runs
-# `make test`.
+# `make test`. Two worker processes of one thread each (pytest-xdist), one per core: these tests
+# train nothing, so no expensive fixture is built twice.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(DURATIONS) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist load -m "not slow" $(DURATIONS) tests
 
 quickstart: install
 	bash scripts/quickstart.sh
