@@ -177,10 +177,10 @@ def run_proxies(size_name="default", device="cpu", precision="fp32", only=None, 
         check = next((s for s in systems if s.name == "stock prenorm L"), None)
         floor_check = None
         if check and "host_ms_per_update" in results[check.name]:
-            wide = host_floor_ms(check, data, size, device, recipe.PRECISIONS[precision],
+            narrow = host_floor_ms(check, data, size, device, recipe.PRECISIONS[precision],
                                  dim=HOST_FLOOR["check_dim"])
             floor_check = dict(system=check.name, dim=HOST_FLOOR["check_dim"],
-                               host_ms_per_update=wide)
+                               host_ms_per_update=narrow)
     return {"size": size_name, "shape": size, "device": device, "precision": precision,
             "machine": machine_description(device), "commit": git_commit(),
             "command": shlex.join(["multipath-bench", *sys.argv[1:]]), "systems": results,

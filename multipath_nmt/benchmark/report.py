@@ -156,9 +156,9 @@ def proxies_markdown(result):
         check = floor.get("check")
         if check:
             base = result["systems"][check["system"]]["host_ms_per_update"]["median"]
-            wide = check["host_ms_per_update"]["median"]
-            lines.append(f"{check['system']} at d {check['dim']}: {wide:.1f} ms, "
-                         f"{wide / base:.2f}x its time at d {floor['dim']}.")
+            checked = check["host_ms_per_update"]["median"]
+            lines.append(f"{check['system']} at d {check['dim']}: {checked:.1f} ms, "
+                         f"{checked / base:.2f}x its time at d {floor['dim']}.")
     lines += ["", "| group | system | kernel launches per update | vs stock | host syncs per update "
               "| host syncs per micro-batch | host floor ms per update | vs stock |",
               "|---|---|---|---|---|---|---|---|"]
