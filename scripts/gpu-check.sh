@@ -20,7 +20,7 @@
 # multipath-bench --device cuda --precision (the same precision).
 #   scripts/gpu-check.sh [--out DIR] [--data DATA_BIN] [--only SYSTEM ...] [--precision P]
 #                        [--no-table] [--no-recipe] [--recipe-systems SYSTEM ...|all]
-#                        [--no-ddp] [--no-bench]
+#                        [--no-ddp] [--no-bench] [--commit SHA]
 # Writes DIR/check.json and DIR/check.md (DIR: results/gpu-check), and DIR/bench/bench.{json,md,png}.
 # --data: a data-bin with a joined dictionary (batches from train, beam search on valid, the
 # recipe leg and the 2-GPU runs on train and valid); default: synthetic sentences of varied
