@@ -172,9 +172,7 @@ def measure_row(spec, size, device):
     flops = (sum(training_flops_per_token(trainer, s) * s["ntokens"] for s in samples[:4])
              / sum(s["ntokens"] for s in samples[:4]))
     phase("flops")
-    start = time.perf_counter()
     update()  # the first update builds the optimizer state, and compiles under --compile-layers
-    first_update_s = time.perf_counter() - start
     phase("first_update")
     # Every batch once before the clock (their shapes' kernels, allocator blocks; compiled:
     # their graphs): on an H200 the first timed window still ran at a third of the others'
@@ -194,7 +192,7 @@ def measure_row(spec, size, device):
         rates.append(tokens[0] / seconds)
     row = dict(update_freq=update_freq, max_tokens=trainer.cfg.dataset.max_tokens,
                params=sum(p.numel() for p in trainer.model.parameters()),
-               train_flops_per_token=flops, first_update_s=first_update_s,
+               train_flops_per_token=flops, first_update_s=phases["first_update"],
                updates_per_window=per_window, tokens_per_s=summary(rates))
     phase("timed_windows")
     if device == "cuda":
