@@ -21,17 +21,21 @@ $(VENV)/.installed: setup.py
 # The import contracts (.importlinter, docs/architecture.md) first: they take a second.
 # --no-cache: no .import_linter_cache directory in the checkout.
 # --durations: the 15 slowest steps close every run, so the time sinks stay in sight.
+# JOBS worker processes of one thread each (pytest-xdist): most tests wait on single-threaded
+# fairseq processes, so one worker per core keeps both cores busy. --dist loadscope keeps a
+# module's tests on one worker, so a module's trained fixtures are built once; the session's
+# are built once for all workers (built_once in tests/conftest.py).
 DURATIONS ?= --durations=15
+JOBS ?= 2
 test: install
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -rs $(DURATIONS) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(JOBS) --dist loadscope $(DURATIONS) tests
 
 # The loop while you work: every test but the slow ones (trainings, end-to-end runs: the tests
 # marked slow, and those on a fixture that requests `trains`; tests/conftest.py). CI runs
-# `make test`. Two worker processes of one thread each (pytest-xdist), one per core: these tests
-# train nothing, so no expensive fixture is built twice.
+# `make test`. These tests train nothing, so they are spread test by test (--dist load).
 test-fast: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist load -m "not slow" $(DURATIONS) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist load -m "not slow" $(DURATIONS) tests
 
 quickstart: install
 	bash scripts/quickstart.sh

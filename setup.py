@@ -24,9 +24,10 @@ setup(
     # ctranslate2: the CTranslate2 round trip of tests/test_serving.py (docs/serving.md)
     # iopath: fairseq's --write-checkpoints-asynchronously (tests/test_checkpoints.py); with it
     # installed, fairseq's PathManager routes every file operation through ioPath, as users see
-    # pytest-xdist: make test-fast runs its tests in 2 processes
+    # pytest-xdist: both test commands run in 2 processes; filelock: the trained fixtures they
+    # share are built by one of them (tests/conftest.py)
     extras_require={"test": ["pytest>=7", "import-linter>=2.5", "ctranslate2>=4",
-                             "iopath>=0.1.10", "pytest-xdist>=3"]},
+                             "iopath>=0.1.10", "pytest-xdist>=3", "filelock>=3"]},
     entry_points={
         "console_scripts": [
             "multipath-average=multipath_nmt.cli.average:main",

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from helpers.preloaded_python import PreloadedPython, run_subprocess
 
@@ -156,17 +157,33 @@ def dictionaries_only_data_bin(folder, src, tgt, joined):
     return folder
 
 
+def built_once(tmp_path_factory, name, build):
+    """The folder ``name`` after ``build(folder)`` filled it, once for the whole run: under
+    pytest-xdist (``make test``) the first worker to ask builds it and the others wait for it and
+    read it, instead of each training the same model. A build that failed is started afresh."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base folders are siblings in the run's folder
+    folder, done = root / name, root / f"{name}.built"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def toy_data_bin(tmp_path_factory):
     """A binarized joined-dictionary en-de toy corpus (train/valid/test)."""
-    root = tmp_path_factory.mktemp("toy")
-    text = write_toy_parallel(root / "text")
-    out = root / "data-bin"
-    run_fairseq("preprocess", "--source-lang", "en", "--target-lang", "de",
-                "--trainpref", text / "train", "--validpref", text / "valid",
-                "--testpref", text / "test", "--destdir", out, "--joined-dictionary",
-                "--workers", "1", user_dir=False)
-    return out
+    def build(root):
+        text = write_toy_parallel(root / "text")
+        run_fairseq("preprocess", "--source-lang", "en", "--target-lang", "de",
+                    "--trainpref", text / "train", "--validpref", text / "valid",
+                    "--testpref", text / "test", "--destdir", root / "data-bin",
+                    "--joined-dictionary", "--workers", "1", user_dir=False)
+    return built_once(tmp_path_factory, "toy", build) / "data-bin"
 
 
 @pytest.fixture
@@ -199,19 +216,20 @@ def toy_baseline_run(trains, toy_data_bin, tmp_path_factory):
     """The save dir of the pre-norm baseline (TOY_BASELINE) after 3 updates (checkpoint_last.pt
     and the like). ``run_fairseq("train", toy_data_bin, *TOY_BASELINE, "--save-dir", copy)``
     resumes a copy of it."""
-    save = tmp_path_factory.mktemp("toy-baseline") / "ckpt"
-    run_fairseq("train", toy_data_bin, *TOY_BASELINE, "--max-update", "3", "--save-dir", save)
-    return save
+    def build(root):
+        run_fairseq("train", toy_data_bin, *TOY_BASELINE, "--max-update", "3",
+                    "--save-dir", root / "ckpt")
+    return built_once(tmp_path_factory, "toy-baseline", build) / "ckpt"
 
 
 @pytest.fixture(scope="session")
 def toy_ewa_run(trains, toy_data_bin, tmp_path_factory):
     """The save dir of an EWA model (TOY_EWA: both encoder layers, share rate 0.3) after 100
     updates that learn the toy task (FAST_LEARNING): checkpoint_last.pt."""
-    save = tmp_path_factory.mktemp("toy-ewa") / "ckpt"
-    run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *TOY_EWA, "--max-update", "100",
-                *FAST_LEARNING, "--save-dir", save)
-    return save
+    def build(root):
+        run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *TOY_EWA, "--max-update", "100",
+                    *FAST_LEARNING, "--save-dir", root / "ckpt")
+    return built_once(tmp_path_factory, "toy-ewa", build) / "ckpt"
 
 
 def copy_run(run_dir, folder):
