@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -72,6 +73,17 @@ def run_command(args, env=None, cwd=None, timeout=600, merge_stderr=False):
     if PRELOADED_PYTHON.forkable(args, env):
         return PRELOADED_PYTHON.run(args, env, cwd=cwd, timeout=timeout, merge_stderr=merge_stderr)
     return run_subprocess(args, env, cwd=cwd, timeout=timeout, merge_stderr=merge_stderr)
+
+
+def start_command(args, env=None):
+    """``subprocess.Popen(args, stdout=PIPE, stderr=STDOUT, text=True)`` for a command that the
+    test reads while it runs, signals or kills (``pid``, ``stdout``, ``wait()``,
+    ``returncode``), from the preloaded server when the command allows it."""
+    args, env = [str(a) for a in args], env or clean_env()
+    if PRELOADED_PYTHON.forkable(args, env):
+        return PRELOADED_PYTHON.popen(args, env)
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
 
 
 def run_cli(args, check=True, env=None, cwd=None, timeout=600):

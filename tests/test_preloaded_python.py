@@ -1,8 +1,10 @@
 """The suite's preloaded Python (tests/helpers/preloaded_python.py) runs a command as a fresh
 interpreter does: the same output, errors and exit status, the command's environment and
-folder, its threads and exit functions; a timeout kills it; what it cannot imitate runs as a
+folder, its threads and exit functions; a timeout kills it; a command started to be read and
+signalled while it runs behaves as a subprocess does; what it cannot imitate runs as a
 subprocess."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,8 +12,9 @@ import time
 
 import pytest
 
-from conftest import PRELOADED_PYTHON, clean_env, run_command
-from helpers.preloaded_python import run_subprocess
+from conftest import PRELOADED_PYTHON, clean_env, run_command, start_command
+from helpers.preloaded_python import ForkedProcess, run_subprocess
+from helpers.training import stop
 
 SCRIPT = textwrap.dedent("""\
     import atexit, os, sys, threading, time
@@ -128,3 +131,53 @@ def test_the_logging_of_a_command_is_configured_as_in_a_fresh_interpreter(tmp_pa
                                      "plug-in": ""}[first])
     assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:] == \
         ({"logging": [], "plug-in": ["a warning"]}[first] or fresh.stderr.splitlines()[-1:])
+
+
+# Prints a line, then waits for the test's signal: with its own SIGTERM handler (as fairseq-train
+# with the plug-in) or with the default dispositions.
+WAITS_FOR_A_SIGNAL = textwrap.dedent("""\
+    import signal, sys, time
+    if sys.argv[1] == "handled":
+        signal.signal(signal.SIGTERM, lambda *_: (print("stopping"), sys.exit(5)))
+    print("to stderr", file=sys.stderr)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how", [("handled", signal.SIGTERM), ("default", signal.SIGTERM),
+                                 ("default", signal.SIGKILL)])
+def test_a_started_command_is_read_while_it_runs_and_signalled_as_a_subprocess_is(tmp_path, how):
+    """start_command forks what it can: the test reads its first line while it runs, signals its
+    pid, and gets the output and exit status a fresh interpreter gives."""
+    handling, signum = how
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_FOR_A_SIGNAL)
+    args = [sys.executable, str(script), handling]
+    forked = start_command(args)
+    assert isinstance(forked, ForkedProcess)
+    results = []
+    for proc in (forked, subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, env=clean_env())):
+        first = proc.stdout.readline(), proc.stdout.readline()
+        os.kill(proc.pid, signum)
+        results.append((first, proc.stdout.read(), proc.wait()))
+        proc.stdout.close()
+    assert results[0] == results[1] == (
+        ("to stderr\n", "ready\n"), "stopping\n" if handling == "handled" else "",
+        5 if handling == "handled" else -signum)
+
+
+def test_a_started_command_left_running_is_killed_and_frees_the_server(tmp_path):
+    """A test that fails while reading a started command stops it (helpers.training.stop): it
+    and its children are killed, and the server runs the next command."""
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_FOR_A_SIGNAL)
+    proc = start_command([sys.executable, script, "default"])
+    assert isinstance(proc, ForkedProcess)
+    assert (proc.stdout.readline(), proc.stdout.readline()) == ("to stderr\n", "ready\n")
+    stop(proc)
+    assert proc.returncode == -signal.SIGKILL and proc.stdout.closed
+    exits = script.with_name("exits.py")
+    exits.write_text("raise SystemExit(3)\n")
+    assert run_command([sys.executable, exits], timeout=60).returncode == 3  # the server answers

@@ -11,9 +11,12 @@ threads joined, the command's ``atexit`` functions run, the exit status of ``Sys
 
 What the preloaded imports log or warn while they run, the server printed (to no one): a child
 does not print it again. What a child does not share with a fresh process, and so is never forked
-(:meth:`PreloadedPython.forkable`): anything decided when the interpreter starts. Commands whose environment differs from the
-server's in those variables (:data:`STARTUP_VARIABLES`) run as plain subprocesses, and so does
-everything that is signalled or killed by a test (the runners that do it use ``subprocess``).
+(:meth:`PreloadedPython.forkable`): anything decided when the interpreter starts. Commands
+whose environment differs from the server's in those variables (:data:`STARTUP_VARIABLES`) run
+as plain subprocesses. A command that a test signals or kills while it runs starts with
+:meth:`PreloadedPython.popen`: its output comes through a pipe of the test's, passed to the server
+over a socket, so the test reads it line by line as from ``subprocess.Popen`` and signals the
+child's pid.
 ``MULTIPATH_NMT_TEST_FORK=0`` turns the server off: every command then runs as a subprocess.
 """
 import atexit
@@ -22,6 +25,7 @@ import json
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,15 +61,19 @@ def _exit_code(error: SystemExit) -> int:
     return 1
 
 
-def _run_child(request):
-    """In the forked child: become the command, run it, exit. Never returns."""
+def _run_child(request, pipe):
+    """In the forked child: become the command, run it, exit. Never returns. Its output goes
+    to the files the request names, or into ``pipe`` (stdout and stderr) if there is one."""
     code = 1
     try:
         with open(os.devnull) as null:
             os.dup2(null.fileno(), 0)
-        output = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
-        errors = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC) \
-            if request["stderr"] != request["stdout"] else output
+        if pipe is not None:
+            output = errors = pipe
+        else:
+            output = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
+            errors = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC) \
+                if request["stderr"] != request["stdout"] else output
         os.dup2(output, 1)
         os.dup2(errors, 2)
         sys.stdin = open(os.devnull)
@@ -112,9 +120,10 @@ def _run_child(request):
             os._exit(code)
 
 
-def serve():
+def serve(channel):
     """The server: one JSON request per line on stdin; for each, the child's pid, then its exit
-    status (as ``subprocess`` reports it: -N for a signal), one JSON line each on stdout."""
+    status (as ``subprocess`` reports it: -N for a signal), one JSON line each on stdout. A request
+    with ``"pipe": true`` comes with the write end of a pipe on the socket ``channel``."""
     import importlib
     import logging
 
@@ -134,12 +143,16 @@ def serve():
     replies.flush()
     for line in sys.stdin:
         request = json.loads(line)
+        pipe = socket.recv_fds(channel, 1, 1)[1][0] if request.get("pipe") else None
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             replies.close()
-            _run_child(request)
+            channel.close()
+            _run_child(request, pipe)
+        if pipe is not None:
+            os.close(pipe)  # the child's copy is the only one: EOF when it and its children end
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()
         _, status = os.waitpid(pid, 0)
@@ -154,6 +167,7 @@ class PreloadedPython:
     def __init__(self, env):
         self.env = dict(env)
         self.process = None
+        self.channel = None  # the socket that passes pipes to the server
         self.startup = None  # the server's startup variables once it has imported PRELOADED
         self.lock = threading.Lock()  # one request at a time on the server's pipes
 
@@ -190,9 +204,12 @@ class PreloadedPython:
         """Start the server unless it runs."""
         if self.process is not None and self.process.poll() is None:
             return
-        self.process = subprocess.Popen(
-            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, env=self.env, text=True)
+        self.channel, theirs = socket.socketpair()
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, __file__, str(theirs.fileno())], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env, text=True,
+                pass_fds=[theirs.fileno()])
         ready = self.process.stdout.readline()
         if not ready:
             raise RuntimeError(f"{__file__} did not start")
@@ -206,6 +223,29 @@ class PreloadedPython:
         the other."""
         with self.lock:
             return self._run(args, env, cwd, timeout, merge_stderr)
+
+    def popen(self, args, env, cwd=None):
+        """Start ``args`` (see :meth:`forkable`) in a child of the server, its stdout and stderr
+        into one pipe: a :class:`ForkedProcess`, read as ``subprocess.Popen(args, stdout=PIPE,
+        stderr=STDOUT, text=True)`` is. Other commands wait until it has been waited for."""
+        self.lock.acquire()
+        try:
+            self._start()
+            kind, target, arguments = self.command(args)
+            request = {"kind": kind, "target": target, "args": arguments, "env": dict(env),
+                       "cwd": str(cwd or os.getcwd()), "pipe": True}
+            read_end, write_end = os.pipe()
+            try:
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+                socket.send_fds(self.channel, [b"p"], [write_end])
+            finally:
+                os.close(write_end)
+            pid = json.loads(self.process.stdout.readline())["pid"]
+        except BaseException:
+            self.lock.release()
+            raise
+        return ForkedProcess(self, args, pid, open(read_end))
 
     def _run(self, args, env, cwd, timeout, merge_stderr):
         self._start()
@@ -232,9 +272,32 @@ class PreloadedPython:
         return subprocess.CompletedProcess(args, returncode, stdout, stderr)
 
     def close(self):
+        """Stop the server, and any command a test left running (started and never waited for)."""
         if self.process is not None and self.process.poll() is None:
+            for child in _children(self.process.pid):
+                kill_tree(child)
             self.process.stdin.close()
             self.process.wait(timeout=60)
+        if self.channel is not None:
+            self.channel.close()
+
+
+class ForkedProcess:
+    """A command started by :meth:`PreloadedPython.popen`: ``args``, ``pid``, ``stdout`` (text,
+    stderr merged), ``wait()`` and ``returncode`` (-N for a signal), as ``subprocess.Popen``
+    gives. The server takes the next command once :meth:`wait` has returned."""
+
+    def __init__(self, server, args, pid, stdout):
+        self.server, self.args, self.pid, self.stdout = server, args, pid, stdout
+        self.returncode = None
+
+    def wait(self):
+        if self.returncode is None:
+            try:
+                self.returncode = json.loads(self.server.process.stdout.readline())["returncode"]
+            finally:
+                self.server.lock.release()
+        return self.returncode
 
 
 def _children(pid):
@@ -276,4 +339,4 @@ def run_subprocess(args, env, cwd=None, timeout=600, merge_stderr=False):
 
 
 if __name__ == "__main__":
-    serve()
+    serve(socket.socket(fileno=int(sys.argv[1])))

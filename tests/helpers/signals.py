@@ -1,11 +1,10 @@
 """Send a signal to ``fairseq-train`` (or one worker of a ``torchrun`` job) once it has logged a
 given update, and let it finish on its own."""
 import os
-import subprocess
 import threading
 
-from conftest import clean_env
-from helpers.training import UPDATE_LOGGED, _fail, kill_tree
+from conftest import start_command
+from helpers.training import UPDATE_LOGGED, _fail, kill_tree, stop
 
 
 def _descendants(pid):
@@ -38,8 +37,7 @@ def run_and_signal(cmd, at_update, signum, rank=None, timeout=240):
     """Start ``cmd``, send ``signum`` once it logs update ``at_update`` (to the worker of
     ``rank`` under torchrun, else to the process itself), let it exit; return (status, output).
     The signal lands a few updates later on a busy machine: read the checkpoint for the update."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=clean_env())
+    proc = start_command(cmd)
     watchdog = threading.Timer(timeout, kill_tree, (proc.pid,))
     watchdog.start()
     lines, sent = [], False
@@ -54,7 +52,7 @@ def run_and_signal(cmd, at_update, signum, rank=None, timeout=240):
     finally:
         timed_out = watchdog.finished.is_set()
         watchdog.cancel()
-        proc.stdout.close()
+        stop(proc)
     output = "".join(lines)
     if timed_out:
         _fail(cmd, f"was killed after a {timeout} s timeout", output)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, fail_unless_marked_slow,
-                      run_command)
+from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, fail_unless_marked_slow,
+                      run_command, start_command)
 from helpers.preloaded_python import kill_tree
 
 UPDATE_LOGGED = re.compile(r"num_updates=(\d+)")
@@ -65,6 +65,17 @@ def run(cmd, timeout=180, env=None):
     return output
 
 
+def stop(proc):
+    """Close the output of a command from ``start_command``. One not yet waited for (the test
+    failed while reading it) is first killed with its children and waited for: nothing trains
+    on, and the preloaded server is free for the next command."""
+    if proc.returncode is None:
+        kill_tree(proc.pid)
+        proc.stdout.read()
+        proc.wait()
+    proc.stdout.close()
+
+
 def run_until_killed(cmd, kill_at_update, timeout=180):
     """Start ``cmd`` and SIGKILL it (with any workers) as soon as it logs update
     ``kill_at_update`` after a checkpoint save.
@@ -72,8 +83,7 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
     Returns the output. Killing on a log line makes the moment deterministic up to the few
     updates the child may run before the signal lands (read the checkpoint for the update count).
     """
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=clean_env())
+    proc = start_command(cmd)
     watchdog = threading.Timer(timeout, kill_tree, (proc.pid,))
     watchdog.start()
     lines, saved, killed = [], False, False
@@ -91,7 +101,7 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
     finally:
         timed_out = watchdog.finished.is_set()  # set here only if it fired
         watchdog.cancel()
-        proc.stdout.close()
+        stop(proc)
     output = "".join(lines)
     if timed_out:
         _fail(cmd, f"was killed after a {timeout} s timeout", output)
