@@ -255,12 +255,3 @@ def copy_run(run_dir, folder):
     """A copy of the save dir ``run_dir`` in ``folder``, for a test that writes into it."""
     return Path(shutil.copytree(run_dir, Path(folder) / run_dir.name))
 
-
-def in_parallel(jobs, workers=2):
-    """{name: job()} for {name: job}, two at a time: each training is one single-threaded
-    process (clean_env), so two use both cores of a CI runner and give the same checkpoints."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(workers) as pool:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-        return {name: future.result() for name, future in futures.items()}

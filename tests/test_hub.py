@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, in_parallel, run_cli,
+from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, run_cli,
                       run_fairseq)
 from helpers.training import MODELS, run
 
@@ -67,20 +67,15 @@ def bpe_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoints(trains, bpe_data, tmp_path_factory):
-    """{model: (folder, checkpoint file)}: each trained for 150 updates (a few seconds; two at a
-    time), plus the EWA model folded into a stock transformer by multipath-convert-ewa."""
+    """{model: (folder, checkpoint file)}: each trained for 150 updates, plus the EWA model
+    folded into a stock transformer by multipath-convert-ewa."""
     root = tmp_path_factory.mktemp("hub-checkpoints")
-
-    def training(name, flags):
-        def train():
-            run([sys.executable, "-m", "fairseq_cli.train", str(bpe_data), *TRAIN_FLAGS, *flags,
-                 "--lr", "0.003", "--max-tokens", "1000", "--max-update", "150",
-                 "--no-epoch-checkpoints", "--save-dir", str(root / name),
-                 "--user-dir", str(USER_DIR)])
-            return (str(root / name), "checkpoint_last.pt")
-        return train
-
-    found = in_parallel({name: training(name, flags) for name, flags in TRAINED.items()})
+    found = {}
+    for name, flags in TRAINED.items():
+        run([sys.executable, "-m", "fairseq_cli.train", str(bpe_data), *TRAIN_FLAGS, *flags,
+             "--lr", "0.003", "--max-tokens", "1000", "--max-update", "150",
+             "--no-epoch-checkpoints", "--save-dir", str(root / name), "--user-dir", str(USER_DIR)])
+        found[name] = (str(root / name), "checkpoint_last.pt")
     run_cli(["multipath-convert-ewa", root / "ewa" / "checkpoint_last.pt",
              root / "ewa" / "checkpoint_folded.pt"])
     found["ewa_folded"] = (str(root / "ewa"), "checkpoint_folded.pt")

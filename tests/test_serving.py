@@ -12,7 +12,7 @@ import argparse
 
 import pytest
 import torch
-from conftest import FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, in_parallel, run_cli, run_fairseq
+from conftest import FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq
 
 from multipath_nmt.ewa_folding import fold_state_dict
 from multipath_nmt.params import build_model
@@ -124,15 +124,12 @@ FAST = FAST_LEARNING
 @pytest.fixture(scope="module")
 def dense_checkpoints(trains, toy_data_bin, toy_ewa_run, tmp_path_factory):
     """The baseline, a deeper baseline and an EWA model folded by multipath-convert-ewa, trained
-    briefly on the toy corpus (the two baselines side by side)."""
-    def training(name, flags):
-        def train():
-            folder = tmp_path_factory.mktemp(name)
-            run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *flags, *FAST, "--save-dir", folder)
-            return folder / "checkpoint_last.pt"
-        return train
-
-    found = in_parallel({name: training(name, flags) for name, flags in DENSE.items()})
+    briefly on the toy corpus."""
+    found = {}
+    for name, flags in DENSE.items():
+        folder = tmp_path_factory.mktemp(name)
+        run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *flags, *FAST, "--save-dir", folder)
+        found[name] = folder / "checkpoint_last.pt"
     folded = tmp_path_factory.mktemp("folded") / "folded.pt"  # not next to the shared checkpoint
     run_cli(["multipath-convert-ewa", toy_ewa_run / "checkpoint_last.pt", folded])
     found["folded ewa"] = folded
