@@ -23,15 +23,13 @@ $(VENV)/.installed: setup.py
 # --durations: the 15 slowest steps close every run, so the time sinks stay in sight.
 # JOBS worker processes of one thread each (pytest-xdist): most tests wait on single-threaded
 # fairseq processes, so one worker per core keeps both cores busy. --dist loadscope keeps a
-# module's tests on one worker, so a module's trained fixtures are built once (the session's are
-# built once for all workers: built_once in tests/conftest.py); --no-loadscope-reorder hands out
-# the modules in the suite's order, those with the most slow tests first (tests/conftest.py).
+# module's tests on one worker, so a module's trained fixtures are built once; the session's
+# are built once for all workers (built_once in tests/conftest.py).
 DURATIONS ?= --durations=15
 JOBS ?= 2
 test: install
 	$(VENV)/bin/lint-imports --no-cache
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(JOBS) --dist loadscope --no-loadscope-reorder \
-		$(DURATIONS) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -n $(JOBS) --dist loadscope $(DURATIONS) tests
 
 # The loop while you work: every test but the slow ones (trainings, end-to-end runs: the tests
 # marked slow, and those on a fixture that requests `trains`; tests/conftest.py). CI runs

@@ -11,7 +11,6 @@ trains through the suite's runners (``run_fairseq("train", ...)``, ``helpers.tra
 fails with a line that says to mark it or its fixture (:func:`fail_unless_marked_slow`); in
 ``make test-fast`` that catches any training fixture that forgot ``trains``.
 """
-import collections
 import os
 import random
 import re
@@ -143,12 +142,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "trains" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-    # The modules with the most slow tests first: ``make test`` hands whole modules to its
-    # workers in this order (--dist loadscope --no-loadscope-reorder), so the long ones start
-    # early and the many quick ones even out the end. The order of a module's own tests is kept.
-    slow_tests = collections.Counter(item.module.__name__ for item in items
-                                     if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow_tests[item.module.__name__])
 
 
 def write_toy_parallel(folder, n_train=300, n_valid=40, seed=0):
