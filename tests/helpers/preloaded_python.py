@@ -204,6 +204,8 @@ class PreloadedPython:
         """Start the server unless it runs."""
         if self.process is not None and self.process.poll() is None:
             return
+        if self.channel is not None:  # of a server that died
+            self.channel.close()
         self.channel, theirs = socket.socketpair()
         with theirs:
             self.process = subprocess.Popen(
