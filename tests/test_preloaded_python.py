@@ -133,7 +133,7 @@ def test_the_logging_of_a_command_is_configured_as_in_a_fresh_interpreter(tmp_pa
         ({"logging": [], "plug-in": ["a warning"]}[first] or fresh.stderr.splitlines()[-1:])
 
 
-# Prints a line, then waits for the test's signal: with its own SIGTERM handler (as fairseq-train
+# Prints a line to stderr and one to stdout, then waits for the test's signal: with its own SIGTERM handler (as fairseq-train
 # with the plug-in) or with the default dispositions.
 WAITS_FOR_A_SIGNAL = textwrap.dedent("""\
     import signal, sys, time

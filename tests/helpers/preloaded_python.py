@@ -232,42 +232,45 @@ class PreloadedPython:
         stderr=STDOUT, text=True)`` is. Other commands wait until it has been waited for."""
         self.lock.acquire()
         try:
-            self._start()
-            kind, target, arguments = self.command(args)
-            request = {"kind": kind, "target": target, "args": arguments, "env": dict(env),
-                       "cwd": str(cwd or os.getcwd()), "pipe": True}
             read_end, write_end = os.pipe()
             try:
-                self.process.stdin.write(json.dumps(request) + "\n")
-                self.process.stdin.flush()
-                socket.send_fds(self.channel, [b"p"], [write_end])
+                pid = self._send(args, env, cwd, pipe=write_end)
             finally:
                 os.close(write_end)
-            pid = json.loads(self.process.stdout.readline())["pid"]
         except BaseException:
             self.lock.release()
             raise
         return ForkedProcess(self, args, pid, open(read_end))
 
-    def _run(self, args, env, cwd, timeout, merge_stderr):
+    def _send(self, args, env, cwd, pipe=None, **output_files):
+        """Ask the server to fork ``args`` with its output into ``pipe`` (passed over the socket)
+        or the files ``output_files`` names (``stdout``, ``stderr``); returns the child's pid."""
         self._start()
         kind, target, arguments = self.command(args)
+        request = {"kind": kind, "target": target, "args": arguments, "env": dict(env),
+                   "cwd": str(cwd or os.getcwd()), "pipe": pipe is not None, **output_files}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        if pipe is not None:
+            socket.send_fds(self.channel, [b"p"], [pipe])
+        return json.loads(self.process.stdout.readline())["pid"]
+
+    def _returncode(self):
+        """The exit status of the child the server forked last, once it has ended."""
+        return json.loads(self.process.stdout.readline())["returncode"]
+
+    def _run(self, args, env, cwd, timeout, merge_stderr):
         with tempfile.NamedTemporaryFile("r", errors="replace") as out, \
                 tempfile.NamedTemporaryFile("r", errors="replace") as err:
-            request = {"kind": kind, "target": target, "args": arguments,
-                       "env": dict(env), "cwd": str(cwd or os.getcwd()),
-                       "stdout": out.name, "stderr": out.name if merge_stderr else err.name}
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            pid = json.loads(self.process.stdout.readline())["pid"]
+            pid = self._send(args, env, cwd, stdout=out.name,
+                             stderr=out.name if merge_stderr else err.name)
             killed = []
             timer = threading.Timer(timeout, lambda: (killed.append(pid), kill_tree(pid)))
             timer.start()
             try:
-                reply = self.process.stdout.readline()
+                returncode = self._returncode()
             finally:
                 timer.cancel()
-            returncode = json.loads(reply)["returncode"]
             stdout, stderr = out.read(), (None if merge_stderr else err.read())
         if killed:
             raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
@@ -296,7 +299,7 @@ class ForkedProcess:
     def wait(self):
         if self.returncode is None:
             try:
-                self.returncode = json.loads(self.server.process.stdout.readline())["returncode"]
+                self.returncode = self.server._returncode()
             finally:
                 self.server.lock.release()
         return self.returncode
