@@ -178,7 +178,7 @@ def run_proxies(size_name="default", device="cpu", precision="fp32", only=None, 
         floor_check = None
         if check and "host_ms_per_update" in results[check.name]:
             narrow = host_floor_ms(check, data, size, device, recipe.PRECISIONS[precision],
-                                 dim=HOST_FLOOR["check_dim"])
+                                   dim=HOST_FLOOR["check_dim"])
             floor_check = dict(system=check.name, dim=HOST_FLOOR["check_dim"],
                                host_ms_per_update=narrow)
     return {"size": size_name, "shape": size, "device": device, "precision": precision,
