@@ -397,13 +397,16 @@ def _reason(err):
     return _torch_reason(err)
 
 
-def write_atomically(path, write):
+def write_atomically(path, write, ticket=None):
     """:func:`multipath_nmt.atomic_files.write_atomically` (``path`` is left as it was on any
     failure, no temporary file stays behind), its errors as one :class:`CheckpointSaveError`.
-    A file written is recorded (:func:`written_since`)."""
+    A file written is recorded (:func:`written_since`) under ``ticket``, the number of the save
+    it belongs to (a new one if None)."""
+    if ticket is None:
+        ticket = next(_tickets)
     try:
         atomic_files.write_atomically(path, write)
-        _record_written(path)
+        _record_written(path, ticket)
     except CheckpointSaveError:
         raise
     except Exception as err:
@@ -422,28 +425,32 @@ def save_atomically(obj, path):
 
 # --- what this process wrote ----------------------------------------------------------------
 
-# path -> the number of the write that last completed it; written to by the asynchronous
-# writer's thread too, hence the lock.
+# A ticket is taken when a write is asked for (an asynchronous one completes later, after writes
+# asked for since). path -> (ticket, completion number) of the write that last completed it;
+# written to by the asynchronous writer's thread too, hence the lock.
 _written = {}
 _written_lock = threading.Lock()
-_writes = itertools.count(1)
+_tickets = itertools.count(1)
+_completions = itertools.count(1)
 
 
-def _record_written(path):
+def _record_written(path, ticket):
     with _written_lock:
-        _written[os.path.abspath(str(path))] = next(_writes)
+        _written[os.path.abspath(str(path))] = (ticket, next(_completions))
 
 
 def write_mark():
     """A mark to pass to :func:`written_since` later."""
-    with _written_lock:
-        return max(_written.values(), default=0)
+    return next(_tickets)
 
 
 def written_since(mark):
-    """The files this process completed after ``mark`` (:func:`write_mark`), oldest first."""
+    """The files this process completed for writes asked for after ``mark`` (:func:`write_mark`),
+    in the order they completed. A write asked for before the mark is not one of them, even if
+    the asynchronous writer completed it after."""
     with _written_lock:
-        return [path for path, n in sorted(_written.items(), key=lambda item: item[1]) if n > mark]
+        return [path for path, (ticket, _) in sorted(_written.items(), key=lambda item: item[1][1])
+                if ticket > mark]
 
 
 # --- asynchronous saves ------------------------------------------------------------------------
@@ -472,7 +479,8 @@ class AsynchronousWriter:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="multipath_nmt-checkpoint-writer")
-            self._jobs.append(self._executor.submit(_write_each, list(paths), list(chunks)))
+            self._jobs.append(self._executor.submit(_write_each, list(paths), list(chunks),
+                                                    next(_tickets)))
 
     def wait(self, pending=0):
         """Block until at most ``pending`` jobs are still to finish (0: all of them)."""
@@ -495,13 +503,13 @@ class AsynchronousWriter:
         self.raise_error()
 
 
-def _write_each(paths, chunks):
+def _write_each(paths, chunks, ticket):
     def write(out):
         for chunk in chunks:
             out.write(chunk)
 
     for path in paths:
-        write_atomically(path, write)
+        write_atomically(path, write, ticket)
 
 
 asynchronous_writer = AsynchronousWriter()

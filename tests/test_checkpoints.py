@@ -455,6 +455,36 @@ def test_asynchronous_write_error_is_raised_in_the_training_process(tmp_path, mo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_written_since_a_mark_leaves_out_earlier_asynchronous_writes_completed_after_it(
+        tmp_path, monkeypatch):
+    """A stop's line names the files of its own save: a write asked for before the mark that the
+    writer thread completes after it is not one of them. (A loaded CI machine caught the stop
+    naming the previous update's checkpoint_1_3.pt as saved by the stop after update 4.)"""
+    import threading
+
+    from multipath_nmt import atomic_files
+
+    earlier, own, last = (str(tmp_path / name) for name in
+                          ("checkpoint_1_3.pt", "checkpoint_1_4.pt", "checkpoint_last.pt"))
+    release = threading.Event()
+    write_atomically = atomic_files.write_atomically
+
+    def slow_for_the_earlier_save(path, write):
+        if str(path) == earlier:
+            assert release.wait(30)
+        write_atomically(path, write)
+
+    monkeypatch.setattr(atomic_files, "write_atomically", slow_for_the_earlier_save)
+    checkpoints.asynchronous_writer.submit([earlier], [b"3"])
+    mark = checkpoints.write_mark()
+    checkpoints.asynchronous_writer.submit([own, last], [b"4"])
+    release.set()
+    checkpoints.asynchronous_writer.join()
+    assert checkpoints.written_since(mark) == [own, last]
+    checkpoints.save_atomically({"x": 5}, tmp_path / "checkpoint_1_5.pt")  # a synchronous write
+    assert checkpoints.written_since(mark) == [own, last, str(tmp_path / "checkpoint_1_5.pt")]
+
+
 @pytest.mark.slow
 def test_full_disk_during_an_asynchronous_save(run_dir, toy_data_bin, tmp_path):
     """As test_full_disk_during_a_save, with --write-checkpoints-asynchronously: the error of the
