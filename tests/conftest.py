@@ -59,6 +59,18 @@ def clean_env(**extra):
 PRELOADED_PYTHON = PreloadedPython(clean_env())
 
 
+def script_python():
+    """What the tests give scripts as ``PYTHON``: an interpreter that forks the fairseq commands
+    a script starts from the preloaded server (:meth:`PreloadedPython.shim`)."""
+    return PRELOADED_PYTHON.shim()
+
+
+def script_env(**extra):
+    """:func:`clean_env` for a script (``scripts/*.sh``): :func:`script_python` as its
+    ``PYTHON`` and as the interpreter of torchrun's workers (torchrun's ``PYTHON_EXEC``)."""
+    return clean_env(PYTHON=script_python(), PYTHON_EXEC=script_python(), **extra)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_preloaded_python():
     yield

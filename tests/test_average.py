@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, clean_env, run_cli, run_fairseq
+from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq, script_env
 
 from multipath_nmt import averaging
 from multipath_nmt.cli.average import average, build_parser
@@ -68,7 +68,7 @@ def test_last_n_selection(run_dir):
 
 def test_average_sh_and_generate_load_the_result(run_dir, toy_data_bin, tmp_path):
     out = tmp_path / "avg.pt"
-    env = clean_env(PYTHON=sys.executable)
+    env = script_env()
     proc = run_cli(["bash", ROOT / "scripts" / "average.sh", run_dir, "2", out], env=env)
     assert "checkpoint3.pt" in proc.stdout and "checkpoint2.pt" in proc.stdout
     expected = (_model(run_dir / "checkpoint3.pt")["encoder.embed_tokens.weight"].double()

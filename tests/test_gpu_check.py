@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, run_cli
+from conftest import ROOT, clean_env, run_cli, script_env
 from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_check
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
@@ -240,7 +240,7 @@ def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
     systems = [gpu_check.STOCK, "WideNet (shared attn + MoE E4 k2)"]
     proc = run_cli(["bash", ROOT / "scripts" / "gpu-check.sh", "--no-bench", "--device", "cpu",
                     "--precision", "memory-efficient-fp16", "--size", "tiny", "--out", tmp_path,
-                    "--only", *systems], env=clean_env(PYTHON=sys.executable))
+                    "--only", *systems], env=script_env())
     result = json.loads((tmp_path / "check.json").read_text())
     assert list(result["systems"]) == systems
     assert result["precision_flags"] == ["--memory-efficient-fp16"] and result["ddp_gpus"] == 0
@@ -694,7 +694,7 @@ def test_the_recipe_leg_runs_fairseq_train_saves_validates_and_resumes(tmp_path)
     autocast and in fp32."""
     proc = run_cli(["bash", ROOT / "scripts" / "gpu-check.sh", "--no-bench", "--device", "cpu",
                     "--precision", "bf16", "--size", "tiny", "--out", tmp_path, "--no-table",
-                    "--recipe-systems", gpu_check.STOCK], env=clean_env(PYTHON=sys.executable))
+                    "--recipe-systems", gpu_check.STOCK], env=script_env())
     result = json.loads((tmp_path / "check.json").read_text())
     assert result["systems"] == {} and result["table"] is False
     k = TINY["recipe_updates"]

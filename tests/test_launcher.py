@@ -15,12 +15,11 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, clean_env
+from conftest import ROOT, TINY_MODEL, script_env, script_python
 from helpers.signals import run_and_signal
 from helpers.training import (UPDATE_LOGGED, _fail, assert_same_final_model, free_port, kill_tree,
                               load_model_state, run)
@@ -48,8 +47,8 @@ FAMILIES = {
 
 
 def gloo_env(gpus):
-    return ["env", f"PYTHON={sys.executable}", f"MULTIPATH_NMT_NUM_GPUS={gpus}",
-            "MULTIPATH_NMT_DDP_ON_CPU=1"]
+    return ["env", f"PYTHON={script_python()}", f"PYTHON_EXEC={script_python()}",
+            f"MULTIPATH_NMT_NUM_GPUS={gpus}", "MULTIPATH_NMT_DDP_ON_CPU=1"]
 
 
 def train_sh(data_bin, save_dir, family, gpus=2):
@@ -120,8 +119,8 @@ def test_the_documented_multi_node_command_runs_as_two_launchers(toy_data_bin, t
     save = tmp_path / "ckpt"
     command = (command.replace(data_bin, str(toy_data_bin)).replace(save_dir, str(save))
                .replace(":29500", f":{free_port()}"))
-    env = clean_env(PYTHON=sys.executable, SLURM_NNODES="2", SLURM_JOB_ID="4242", head="127.0.0.1",
-                    MULTIPATH_NMT_NUM_GPUS="1", MULTIPATH_NMT_DDP_ON_CPU="1")
+    env = script_env(SLURM_NNODES="2", SLURM_JOB_ID="4242", head="127.0.0.1",
+                     MULTIPATH_NMT_NUM_GPUS="1", MULTIPATH_NMT_DDP_ON_CPU="1")
     argv = ["bash", "-c", f"exec {command} {shlex.join(map(str, [*TINY_MODEL, *SHORT_RUN]))}"]
     nodes = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import PRELOADED_PYTHON, clean_env, run_command, start_command
+from conftest import PRELOADED_PYTHON, clean_env, run_command, script_python, start_command
 from helpers.preloaded_python import ForkedProcess, run_subprocess
 from helpers.training import stop
 
@@ -45,9 +45,11 @@ def script(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["0", "3", "raise", "message", "hook"])
 @pytest.mark.parametrize("merge_stderr", [False, True])
+@pytest.mark.parametrize("form", ["script", "-u"])
 def test_a_forked_command_gives_what_a_fresh_interpreter_gives(script, tmp_path, mode,
-                                                               merge_stderr):
-    args = [sys.executable, script, mode, "second"]
+                                                               merge_stderr, form):
+    args = {"script": [sys.executable, script],
+            "-u": [sys.executable, "-u", script]}[form] + [mode, "second"]
     env = clean_env(X="from the command")
     assert PRELOADED_PYTHON.forkable(list(map(str, args)), env)
     forked = run_command(args, env=env, cwd=tmp_path, merge_stderr=merge_stderr)
@@ -74,6 +76,7 @@ def test_modules_and_console_scripts_are_forked_and_say_the_same_as_fresh():
 def test_what_a_fork_cannot_imitate_runs_as_a_subprocess():
     env = clean_env()
     assert not PRELOADED_PYTHON.forkable([sys.executable, "-c", "pass"], env)
+    assert not PRELOADED_PYTHON.forkable([sys.executable, "-", "x"], env)
     assert not PRELOADED_PYTHON.forkable([sys.executable, "-X", "importtime", "-m", "x"], env)
     assert not PRELOADED_PYTHON.forkable(["bash", "-c", "true"], env)
     # read when the interpreter and torch start: the server's values would be wrong
@@ -181,3 +184,83 @@ def test_a_started_command_left_running_is_killed_and_frees_the_server(tmp_path)
     exits = script.with_name("exits.py")
     exits.write_text("raise SystemExit(3)\n")
     assert run_command([sys.executable, exits], timeout=60).returncode == 3  # the server answers
+
+
+# --- the shim: the Python that scripts and forked commands start -------------------------------
+
+SHOWS_ITS_PROCESS = textwrap.dedent("""\
+    import os, sys
+    print("parent", os.getppid(), "executable", sys.executable, "stdin", sys.stdin.read().strip())
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def test_a_script_s_python_is_forked_from_the_server_and_behaves_as_the_interpreter(tmp_path):
+    """``"$PYTHON" script.py`` with the shim as PYTHON: the command runs in a child of the server,
+    with the script's standard streams (stdin included), and exits with its status; what it
+    starts through ``sys.executable`` is forked too. Other command lines, or another startup
+    environment, run the interpreter itself in the shim's process."""
+    shows = tmp_path / "shows.py"
+    shows.write_text(SHOWS_ITS_PROCESS)
+    shim, server = script_python(), PRELOADED_PYTHON.process.pid
+    assert shim != sys.executable
+    forked = subprocess.run([shim, shows, "3"], input="from stdin\n", capture_output=True,
+                            text=True, env=clean_env())
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        3, f"parent {server} executable {shim} stdin from stdin\n", "to stderr\n")
+    starts = tmp_path / "starts.py"
+    starts.write_text("import subprocess, sys\n"
+                      f"subprocess.run([sys.executable, {str(shows)!r}, '0'], input=b'nested')\n")
+    nested = subprocess.run([shim, starts], capture_output=True, text=True, env=clean_env())
+    assert nested.stdout == f"parent {server} executable {shim} stdin nested\n"
+    # the interpreter itself: the process is the shim's (the test is its parent)
+    for args, env in (([shim, "-X", "utf8", shows, "0"], clean_env()),
+                      ([shim, "-c", shows.read_text(), "0"], clean_env()),
+                      ([shim, shows, "0"], clean_env(OMP_NUM_THREADS="2"))):
+        itself = subprocess.run(args, capture_output=True, text=True, env=env)
+        assert itself.stdout == f"parent {os.getpid()} executable {sys.executable} stdin \n"
+
+
+@pytest.mark.parametrize("how", [("handled", signal.SIGTERM), ("default", signal.SIGTERM),
+                                 ("default", signal.SIGINT), ("default", signal.SIGKILL)])
+def test_a_signal_to_the_shim_is_one_to_its_command(tmp_path, how):
+    """What a scheduler, torchrun or a test sends the shim's process reaches the command once,
+    and the shim ends as the command does: the same output and exit status as the interpreter
+    itself. SIGKILL, which the shim cannot pass on, takes the command and its children along."""
+    handling, signum = how
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_FOR_A_SIGNAL.replace("time.sleep(60)", textwrap.dedent("""\
+        import subprocess
+        child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        open(sys.argv[2], "w").write(f"{os.getpid()} {child.pid}")
+        time.sleep(60)""")).replace("import signal", "import os, signal"))
+    results = []
+    for python in (script_python(), sys.executable):
+        pids = tmp_path / f"pids-{len(results)}"
+        proc = subprocess.Popen([python, script, handling, pids], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=clean_env())
+        first = proc.stdout.readline(), proc.stdout.readline()
+        while not pids.exists() or not pids.read_text():
+            time.sleep(0.05)
+        command, sleeper = map(int, pids.read_text().split())
+        proc.send_signal(signum)
+        results.append((first, proc.stdout.read(), proc.wait()))
+        proc.stdout.close()
+        if signum == signal.SIGKILL and python != sys.executable:
+            for pid in (command, sleeper):
+                with pytest.raises(ProcessLookupError):
+                    for _ in range(50):
+                        os.kill(pid, 0)
+                        time.sleep(0.1)
+            continue
+        os.kill(sleeper, signal.SIGKILL)
+    assert results[0] == results[1]
+    first, rest, code = results[0]
+    assert first == ("to stderr\n", "ready\n")
+    if handling == "handled":
+        assert (rest, code) == ("stopping\n", 5)
+    elif signum == signal.SIGINT:  # KeyboardInterrupt's traceback, then the interpreter's SIGINT
+        assert rest.endswith("    time.sleep(60)\nKeyboardInterrupt\n") and code == -signum
+    else:
+        assert (rest, code) == ("", -signum)

@@ -3,14 +3,14 @@ import re
 
 import pytest
 
-from conftest import ROOT, clean_env, run_cli
+from conftest import ROOT, run_cli, script_env
 
 
 @pytest.mark.slow
 def test_quickstart_end_to_end(tmp_path):
     work = tmp_path / "qs"
-    env = clean_env(QUICKSTART_TRAIN_PAIRS="1500", QUICKSTART_TEST_PAIRS="60",
-                    QUICKSTART_EPOCHS="2", QUICKSTART_AVERAGE="2")
+    env = script_env(QUICKSTART_TRAIN_PAIRS="1500", QUICKSTART_TEST_PAIRS="60",
+                     QUICKSTART_EPOCHS="2", QUICKSTART_AVERAGE="2")
     proc = run_cli(["bash", ROOT / "scripts" / "quickstart.sh", work], env=env, timeout=900)
     score = (work / "score.txt").read_text().splitlines()
     assert re.fullmatch(r"BLEU = \d+\.\d\d, [\d./]+ \(BP=\d\.\d{3}, ratio=\d\.\d{3}, "

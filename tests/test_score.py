@@ -11,7 +11,7 @@ import sacrebleu
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
-from conftest import ROOT, clean_env, run_cli
+from conftest import ROOT, run_cli, script_env
 
 from multipath_nmt import scoring
 from multipath_nmt.cli.score import build_parser, score
@@ -356,6 +356,6 @@ def test_console_script_errors(tmp_path):
     with pytest.raises(scoring.ScoringError, match="nope: no such file"):
         _ours(tmp_path / "nope", ref)
     proc = run_cli(["bash", ROOT / "scripts" / "score.sh", "--sys", hyp, "--ref", ref],
-                   env=clean_env(PYTHON=sys.executable))
+                   env=script_env())
     assert proc.stdout.splitlines()[0] == \
         "BLEU = 100.00, 100.0/100.0/100.0/100.0 (BP=1.000, ratio=1.000, hyp_len=4, ref_len=4)"

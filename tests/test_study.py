@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, dictionaries_only_data_bin, run_cli
+from conftest import ROOT, dictionaries_only_data_bin, run_cli, script_env
 import multipath_nmt
 from multipath_nmt import params, recipe
 
@@ -157,7 +157,7 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     args = [STUDY_SH, "--data", multi30k, "--work", work, "--results", results,
             "--systems", "ewa", "--budget-minutes", "0.05", "--max-train-lines", "40",
             "--max-eval-lines", "20"]
-    env = clean_env(PYTHON=sys.executable)
+    env = script_env()
     first = run_cli(args, env=env, timeout=300)
     assert "ewa takes its --max-update from the base model's run: adding base" in first.stdout
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, USER_DIR, clean_env, dictionaries_only_data_bin, run_cli
+from conftest import (ROOT, TINY_MODEL, USER_DIR, clean_env, dictionaries_only_data_bin,
+                      run_cli, script_env)
 
 import multipath_nmt  # noqa: F401  (safe checkpoint loading on torch >= 2.6)
 from fairseq import checkpoint_utils
@@ -33,7 +34,7 @@ def _dry_run(data_bin, *args, gpus="0", check=True, **env):
     if gpus != "0":
         env.setdefault("MULTIPATH_NMT_BF16", "0")
     env = {k: v for k, v in env.items() if v is not None}  # None: leave it unset
-    env = clean_env(PYTHON=sys.executable, MULTIPATH_NMT_NUM_GPUS=gpus, **env)
+    env = script_env(MULTIPATH_NMT_NUM_GPUS=gpus, **env)
     return run_cli(["bash", TRAIN_SH, data_bin, "save", *args, "--dry-run"], env=env, check=check)
 
 
@@ -318,7 +319,7 @@ def test_real_two_update_run(toy_data_bin, tmp_path):
     proc = run_cli(["bash", TRAIN_SH, toy_data_bin, save_dir, "--arch", "transformer_prenorm_wmt_en_de",
                     *TINY_MODEL, "--max-tokens", "400", "--max-update", "2", "--num-workers", "0",
                     "--no-progress-bar", "--log-format", "simple", "--disable-validation", "--seed", "1"],
-                   env=clean_env(PYTHON=sys.executable))
+                   env=script_env())
     assert "training in fp32 on the CPU" in proc.stdout
     state = checkpoint_utils.load_checkpoint_to_cpu(str(save_dir / "checkpoint_last.pt"))
     assert state["optimizer_history"][-1]["num_updates"] == 2

@@ -1,11 +1,10 @@
 """scripts/translate.sh --dry-run: fp16 decoding on a GPU (as the models are trained), --fp32 to
 keep fp32, the CPU without CUDA (MULTIPATH_NMT_NUM_GPUS stands in for the detected count)."""
 import shlex
-import sys
 
 import pytest
 
-from conftest import ROOT, USER_DIR, clean_env, run_cli
+from conftest import ROOT, USER_DIR, run_cli, script_env
 
 TRANSLATE_SH = ROOT / "scripts" / "translate.sh"
 
@@ -13,7 +12,7 @@ TRANSLATE_SH = ROOT / "scripts" / "translate.sh"
 def _dry_run(tmp_path, *args, gpus, check=True):
     checkpoint = tmp_path / "checkpoint.pt"
     checkpoint.write_bytes(b"")  # --dry-run only checks that it exists
-    env = clean_env(PYTHON=sys.executable, MULTIPATH_NMT_NUM_GPUS=gpus)
+    env = script_env(MULTIPATH_NMT_NUM_GPUS=gpus)
     return run_cli(["bash", TRANSLATE_SH, tmp_path, checkpoint, tmp_path / "out", *args,
                     "--dry-run"], env=env, check=check)
 

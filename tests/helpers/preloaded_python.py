@@ -6,8 +6,18 @@ keeps one server process that has imported them (:data:`PRELOADED`, nothing of `
 whose import installs the patches a command's environment chooses), and runs each command in a
 child forked from it: the child takes the command's environment, working directory and output
 files, runs the module or script as ``__main__`` (as ``python -m`` or ``python SCRIPT`` does),
-then exits the way the interpreter does: uncaught errors through ``sys.excepthook``, non-daemon
-threads joined, the command's ``atexit`` functions run, the exit status of ``SystemExit``.
+then exits the way the interpreter does: uncaught errors through
+``sys.excepthook``, non-daemon threads joined, the command's ``atexit`` functions run, the exit
+status of ``SystemExit``, SIGINT after an uncaught ``KeyboardInterrupt``.
+
+The Python processes that scripts and commands start are forked too. The tests give scripts a
+shim as ``PYTHON`` and as torchrun's ``PYTHON_EXEC`` (:meth:`PreloadedPython.shim`), and a forked
+command's ``sys.executable`` is that shim, so torchrun's workers and a benchmark's runs go
+through it. The shim's process stands
+in for its command (:func:`client_main`): the command gets the shim's standard streams and the
+signals sent to the shim, the shim exits as the command does, and a SIGKILL to the shim kills
+the command and its children. It runs the interpreter itself for anything the server does not
+fork.
 
 What the preloaded imports log or warn while they run, the server printed (to no one): a child
 does not print it again. What a child does not share with a fresh process, and so is never forked
@@ -21,9 +31,11 @@ child's pid.
 """
 import atexit
 import builtins
+import io
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,11 +52,15 @@ PRELOADED = ("torch", "fairseq", "numpy", "sacrebleu", "sacremoses")
 STARTUP_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH",
                      "CUDA_VISIBLE_DEVICES")
 STARTUP_PREFIXES = ("PYTHON", "TORCH_", "PYTORCH_", "KMP_", "GOMP_")
+# Not read when the interpreter or torch starts: the interpreter of the scripts (scripts/*.sh)
+# and of torchrun's workers, and what torchrun sets for its workers, read when a NCCL process
+# group is made.
+NOT_STARTUP = ("PYTHON", "PYTHON_EXEC", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def _startup_values(env):
-    return {k: v for k, v in env.items()
-            if k in STARTUP_VARIABLES or k.startswith(STARTUP_PREFIXES)}
+    return {k: v for k, v in env.items() if k not in NOT_STARTUP
+            and (k in STARTUP_VARIABLES or k.startswith(STARTUP_PREFIXES))}
 
 
 # The frames above the command's own in a traceback: this file's and runpy's.
@@ -61,22 +77,34 @@ def _exit_code(error: SystemExit) -> int:
     return 1
 
 
-def _run_child(request, pipe):
+def _run_child(request, pipe=None, client=None, fds=None):
     """In the forked child: become the command, run it, exit. Never returns. Its output goes
-    to the files the request names, or into ``pipe`` (stdout and stderr) if there is one."""
-    code = 1
+    to the files the request names, into ``pipe`` (stdout and stderr) if there is one, or to the
+    standard streams ``fds`` of the ``client`` (:func:`client_main`) that asked for it."""
+    code, interrupted = 1, False
     try:
-        with open(os.devnull) as null:
-            os.dup2(null.fileno(), 0)
-        if pipe is not None:
-            output = errors = pipe
+        if fds is not None:
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            for fd in fds:
+                os.close(fd)
+            _die_with(client)
         else:
-            output = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
-            errors = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC) \
-                if request["stderr"] != request["stdout"] else output
-        os.dup2(output, 1)
-        os.dup2(errors, 2)
-        sys.stdin = open(os.devnull)
+            with open(os.devnull) as null:
+                os.dup2(null.fileno(), 0)
+            if pipe is not None:
+                output = errors = pipe
+            else:
+                output = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
+                errors = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC) \
+                    if request["stderr"] != request["stdout"] else output
+            os.dup2(output, 1)
+            os.dup2(errors, 2)
+        sys.stdin = open(0, closefd=False)
+        if request["unbuffered"]:  # python -u, as torchrun starts its workers
+            sys.stdout = io.TextIOWrapper(open(1, "wb", 0, closefd=False), write_through=True)
+            sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True,
+                                          errors="backslashreplace")
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -84,6 +112,9 @@ def _run_child(request, pipe):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         atexit._clear()
+        # the Python processes the command starts (torchrun's workers, a benchmark's runs) are
+        # forked as well
+        sys.executable = request["executable"]
         sys.argv = [request["target"], *request["args"]]
         # A __main__ of the command's own that stays after it ends, as in a fresh interpreter:
         # an excepthook may ask which program runs (runpy.run_path would restore the server's).
@@ -105,10 +136,16 @@ def _run_child(request, pipe):
         except SystemExit as error:
             code = _exit_code(error)
         except BaseException as error:
-            tb = error.__traceback__  # from the command's first frame, as the interpreter shows it
-            while tb is not None and tb.tb_frame.f_code.co_filename in RUNNER_FILES:
-                tb = tb.tb_next
-            sys.excepthook(type(error), error.with_traceback(tb), tb)
+            interrupted = isinstance(error, KeyboardInterrupt)
+            tb = _command_frames(error)
+            try:
+                sys.excepthook(type(error), error.with_traceback(tb), tb)
+            except BaseException as hook_error:  # reported as the interpreter reports it
+                print("Error in sys.excepthook:", file=sys.stderr)
+                hook_error.__context__, hook_tb = None, _command_frames(hook_error)
+                sys.__excepthook__(type(hook_error), hook_error.with_traceback(hook_tb), hook_tb)
+                print("\nOriginal exception was:", file=sys.stderr)
+                sys.__excepthook__(type(error), error, tb)
             code = 1
         threading._shutdown()  # what the interpreter does first at exit: the threading
         atexit._run_exitfuncs()  # module's exit functions (thread pools), non-daemon threads
@@ -117,16 +154,79 @@ def _run_child(request, pipe):
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
+            if interrupted:  # the interpreter ends on an uncaught KeyboardInterrupt by SIGINT
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
 
 
-def serve(channel):
-    """The server: one JSON request per line on stdin; for each, the child's pid, then its exit
-    status (as ``subprocess`` reports it: -N for a signal), one JSON line each on stdout. A request
-    with ``"pipe": true`` comes with the write end of a pipe on the socket ``channel``."""
+def _command_frames(error):
+    """The traceback of ``error`` from the command's first frame, as the interpreter shows it."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in RUNNER_FILES:
+        tb = tb.tb_next
+    return tb
+
+
+def _die_with(client):
+    """Kill this process and everything it started once ``client`` has gone: a client killed
+    with SIGKILL (a test's kill -9, a timeout) takes its command along, as if they were one
+    process."""
+    def watch():
+        try:
+            client.recv(1)  # the client sends nothing more: this returns when it is gone
+        except OSError:
+            pass
+        for child in _children(os.getpid()):
+            kill_tree(child)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="preloaded-python-client-watch").start()
+
+
+def _forkable_env(startup, launched, env):
+    """Whether a command with environment ``env`` may run in a child of a server launched with
+    ``launched`` whose startup variables are ``startup`` (after its imports)."""
+    # what the imports set, a fresh interpreter sets too: absent from ``env`` is the same
+    set_by_imports = {k: v for k, v in startup.items() if k not in launched}
+    return {**set_by_imports, **_startup_values(env)} == startup
+
+
+def parse(args, python):
+    """``args`` (a command line of the interpreter ``python``) as a request's kind ("module" or
+    "path"), target, arguments and whether it is unbuffered: ``python [-u] -m MODULE``,
+    ``python [-u] SCRIPT.py`` or a console script of this interpreter's environment (``#!``
+    ``python``); None for anything else: other options, and ``python -c``, whose short programs
+    may watch their parent (the prepare pipeline's fairseq-preprocess dies with its parent)."""
+    unbuffered = args[0] == python and len(args) >= 2 and args[1] == "-u"
+    if unbuffered:
+        args = [args[0], *args[2:]]
+    if args[0] == python and len(args) >= 3 and args[1] == "-m":
+        return {"kind": "module", "target": args[2], "args": args[3:], "unbuffered": unbuffered}
+    if args[0] == python and len(args) >= 2 and args[1].endswith(".py") \
+            and not args[1].startswith("-"):
+        return {"kind": "path", "target": args[1], "args": args[2:], "unbuffered": unbuffered}
+    if not unbuffered and os.path.dirname(args[0]) == os.path.dirname(python) \
+            and os.path.isfile(args[0]):
+        with open(args[0], "rb") as script:
+            if script.readline().rstrip() == b"#!" + os.fsencode(python):
+                return {"kind": "path", "target": args[0], "args": args[1:], "unbuffered": False}
+    return None
+
+
+def serve(channel, address, shim):
+    """The server. The test's requests: one JSON line each on stdin; for each, the child's pid,
+    then its exit status (as ``subprocess`` reports it: -N for a signal), one JSON line each on
+    stdout. A request with ``"pipe": true`` comes with the write end of a pipe on the socket
+    ``channel``. The shim's requests (:func:`client_main`, for the Python processes that commands
+    and scripts start): a connection each on the socket at ``address``, with the client's
+    standard streams; the server forks them at once, however many run, and answers the same
+    two messages on the connection."""
     import importlib
     import logging
+    import select
 
+    launched = dict(os.environ)
     root = logging.getLogger()
     unconfigured = root.level, list(root.handlers)
     for name in PRELOADED:
@@ -138,26 +238,128 @@ def serve(channel):
     root.handlers[:] = unconfigured[1]
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing but replies on the reply pipe
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(64)
     # the imports may set startup variables (scikit-learn, imported by fairseq, sets KMP_*)
-    replies.write(json.dumps({"startup": _startup_values(os.environ)}) + "\n")
+    startup = _startup_values(os.environ)
+    replies.write(json.dumps({"startup": startup}) + "\n")
     replies.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
-        pipe = socket.recv_fds(channel, 1, 1)[1][0] if request.get("pipe") else None
+
+    requests = os.fdopen(os.dup(0), "rb", 0)
+    test_child = None
+    clients = {}  # pid -> the connection of the client that asked for it
+
+    def fork(request, pipe=None, client=None, fds=None):
+        request["executable"] = shim
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            replies.close()
-            channel.close()
-            _run_child(request, pipe)
-        if pipe is not None:
-            os.close(pipe)  # the child's copy is the only one: EOF when it and its children end
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        replies.flush()
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        replies.flush()
+            for other in (replies, channel, listener, requests, *clients.values()):
+                other.close()
+            _run_child(request, pipe, client, fds)
+        return pid
+
+    def reply(client, message):
+        try:
+            client.send(json.dumps(message).encode())
+        except OSError:  # the client is gone; its command dies with it (_die_with)
+            pass
+
+    pending = b""
+    while True:
+        readable, _, _ = select.select([requests, listener], [], [], 0.05)
+        if requests in readable:
+            chunk = requests.read(65536)
+            if not chunk:
+                break
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pipe = socket.recv_fds(channel, 1, 1)[1][0] if request.get("pipe") else None
+                test_child = fork(request, pipe)
+                if pipe is not None:
+                    os.close(pipe)  # the child holds the only copy: EOF once it and its children end
+                replies.write(json.dumps({"pid": test_child}) + "\n")
+                replies.flush()
+        if listener in readable:
+            client, _ = listener.accept()
+            try:
+                message, fds, _, _ = socket.recv_fds(client, 1 << 20, 3)
+                request = json.loads(message)
+            except (OSError, ValueError):  # a client that died before it asked
+                client.close()
+                continue
+            command = parse([request["python"], *request["argv"]], request["python"])
+            if command is None or len(fds) != 3 or \
+                    not _forkable_env(startup, launched, request["env"]):
+                reply(client, {"exec": True})
+                client.close()
+            else:
+                pid = fork({**request, **command}, client=client, fds=fds)
+                clients[pid] = client
+                reply(client, {"pid": pid})
+            for fd in fds:
+                os.close(fd)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            returncode = os.waitstatus_to_exitcode(status)
+            if pid == test_child:
+                replies.write(json.dumps({"returncode": returncode}) + "\n")
+                replies.flush()
+            elif pid in clients:
+                client = clients.pop(pid)
+                reply(client, {"returncode": returncode})
+                client.close()
+
+
+# The signals a client passes on to its command: those a scheduler, torchrun or a test sends.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP,
+             signal.SIGQUIT)
+
+
+def client_main(python, address):
+    """The shim's program (:meth:`PreloadedPython.shim`): run this process's command line in a
+    child of the server at ``address``, as if this process were that command. Its standard
+    streams go to the command; the signals of :data:`FORWARDED` are passed on to it; this process
+    ends as it does (the same exit status, or killed by the same signal); killed with SIGKILL,
+    it takes the command along (:func:`_die_with`). Anything the server does not fork (other
+    options, a different startup environment, no server) ``exec``s ``python`` itself."""
+    args = sys.argv[1:]
+    if parse([python, *args], python) is not None:
+        try:
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            client.connect(address)
+            request = {"python": python, "argv": args, "env": dict(os.environ),
+                       "cwd": os.getcwd()}
+            socket.send_fds(client, [json.dumps(request).encode()], [0, 1, 2])
+            answer = json.loads(client.recv(1 << 16) or b"{}")
+        except OSError:
+            answer = {}
+        if "pid" in answer:
+            pid = answer["pid"]
+
+            def forward(signum, frame):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+            for signum in FORWARDED:
+                signal.signal(signum, forward)
+            returncode = json.loads(client.recv(1 << 16) or b'{"returncode": -9}')["returncode"]
+            if returncode < 0:
+                signal.signal(-returncode, signal.SIG_DFL)
+                os.kill(os.getpid(), -returncode)
+            os._exit(returncode)
+    os.execv(python, [python, *args])
 
 
 class PreloadedPython:
@@ -169,36 +371,27 @@ class PreloadedPython:
         self.process = None
         self.channel = None  # the socket that passes pipes to the server
         self.startup = None  # the server's startup variables once it has imported PRELOADED
+        self.folder = self.shim_path = None  # the server's socket and the shim (:meth:`shim`)
         self.lock = threading.Lock()  # one request at a time on the server's pipes
 
-    @staticmethod
-    def command(args):
-        """``args`` as a request's ("module" or "path", target, arguments): ``python -m MODULE``,
-        ``python SCRIPT.py`` or a console script of this interpreter's environment (``#!`` this
-        interpreter); None for anything else (``python -c``, options to the interpreter, other
-        programs)."""
-        if args[0] == sys.executable and len(args) >= 3 and args[1] == "-m":
-            return "module", args[2], args[3:]
-        if args[0] == sys.executable and len(args) >= 2 and args[1].endswith(".py") \
-                and not args[1].startswith("-"):
-            return "path", args[1], args[2:]
-        if os.path.dirname(args[0]) == os.path.dirname(sys.executable) \
-                and os.path.isfile(args[0]):
-            with open(args[0], "rb") as script:
-                if script.readline().rstrip() == b"#!" + os.fsencode(sys.executable):
-                    return "path", args[0], args[1:]
-        return None
-
     def forkable(self, args, env):
-        """Whether :meth:`command` knows ``args``, and ``env`` agrees with the server's on the
+        """Whether :func:`parse` knows ``args``, and ``env`` agrees with the server's on the
         variables read at startup."""
-        if os.environ.get("MULTIPATH_NMT_TEST_FORK", "1") == "0" or self.command(args) is None:
+        if not _forking() or parse(args, sys.executable) is None:
             return False
         with self.lock:
             self._start()
-        # what the imports set, a fresh interpreter sets too: absent from ``env`` is the same
-        set_by_imports = {k: v for k, v in self.startup.items() if k not in self.env}
-        return {**set_by_imports, **_startup_values(env)} == self.startup
+        return _forkable_env(self.startup, self.env, env)
+
+    def shim(self):
+        """The path of an executable that stands for this interpreter and forks the commands it
+        is given from the server (:func:`client_main`): what the tests give scripts as
+        ``PYTHON``. This interpreter itself when forking is off."""
+        if not _forking():
+            return sys.executable
+        with self.lock:
+            self._start()
+        return self.shim_path
 
     def _start(self):
         """Start the server unless it runs."""
@@ -206,12 +399,22 @@ class PreloadedPython:
             return
         if self.channel is not None:  # of a server that died
             self.channel.close()
+        self.folder = tempfile.mkdtemp(prefix="preloaded-python-")
+        address = os.path.join(self.folder, "socket")
+        self.shim_path = os.path.join(self.folder, "python")
+        with open(self.shim_path, "w") as shim:
+            shim.write(f"#!{sys.executable} -IS\n"
+                       f"import sys\n"
+                       f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+                       f"from preloaded_python import client_main\n"
+                       f"client_main({sys.executable!r}, {address!r})\n")
+        os.chmod(self.shim_path, 0o755)
         self.channel, theirs = socket.socketpair()
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, __file__, str(theirs.fileno())], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env, text=True,
-                pass_fds=[theirs.fileno()])
+                [sys.executable, __file__, str(theirs.fileno()), address, self.shim_path],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                env=self.env, text=True, pass_fds=[theirs.fileno()])
         ready = self.process.stdout.readline()
         if not ready:
             raise RuntimeError(f"{__file__} did not start")
@@ -246,8 +449,7 @@ class PreloadedPython:
         """Ask the server to fork ``args`` with its output into ``pipe`` (passed over the socket)
         or the files ``output_files`` names (``stdout``, ``stderr``); returns the child's pid."""
         self._start()
-        kind, target, arguments = self.command(args)
-        request = {"kind": kind, "target": target, "args": arguments, "env": dict(env),
+        request = {**parse(args, sys.executable), "env": dict(env),
                    "cwd": str(cwd or os.getcwd()), "pipe": pipe is not None, **output_files}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
@@ -285,6 +487,8 @@ class PreloadedPython:
             self.process.wait(timeout=60)
         if self.channel is not None:
             self.channel.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class ForkedProcess:
@@ -343,5 +547,9 @@ def run_subprocess(args, env, cwd=None, timeout=600, merge_stderr=False):
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
+def _forking():
+    return os.environ.get("MULTIPATH_NMT_TEST_FORK", "1") != "0"
+
+
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), *sys.argv[2:])
