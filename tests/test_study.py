@@ -699,14 +699,14 @@ def test_the_study_keeps_each_finished_run_and_restores_it_in_a_new_work_folder(
 
 
 @pytest.mark.slow
-def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, monkeypatch):
-    # one thread per process: these tiny runs gain nothing from two, which only spin-wait when
-    # the machine is busy
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path):
+    # study.sh as a user runs it, one thread per process (script_env): these tiny runs gain
+    # nothing from two, which only spin-wait when the machine is busy
     work, results = tmp_path / "work", tmp_path / "results"
-    study.main(["--data", str(multi30k), "--work", str(work), "--results", str(results),
-                    "--systems", "deep,mp_original", "--seeds", "2", "--budget-updates", "2",
-                    "--max-train-lines", "40", "--max-eval-lines", "20", "--device", "cpu"])
+    run_cli([STUDY_SH, "--data", multi30k, "--work", work, "--results", results,
+             "--systems", "deep,mp_original", "--seeds", "2", "--budget-updates", "2",
+             "--max-train-lines", "40", "--max-eval-lines", "20", "--device", "cpu"],
+            env=script_env(), timeout=600)
     report = json.loads((results / "study.json").read_text())
     assert report["config"]["budget_updates"] == 2 and report["config"]["budget_minutes"] is None
     runs_root = work / "train40-eval20" / "runs-2updates"
