@@ -177,9 +177,7 @@ def _die_with(client):
             client.recv(1)  # the client sends nothing more: this returns when it is gone
         except OSError:
             pass
-        for child in _children(os.getpid()):
-            kill_tree(child)
-        os.kill(os.getpid(), signal.SIGKILL)
+        kill_tree(os.getpid())  # its descendants first, this process last
 
     threading.Thread(target=watch, daemon=True, name="preloaded-python-client-watch").start()
 
