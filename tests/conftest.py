@@ -67,8 +67,19 @@ def script_python():
 
 def script_env(**extra):
     """:func:`clean_env` for a script (``scripts/*.sh``): :func:`script_python` as its
-    ``PYTHON`` and as the interpreter of torchrun's workers (torchrun's ``PYTHON_EXEC``)."""
-    return clean_env(PYTHON=script_python(), PYTHON_EXEC=script_python(), **extra)
+    ``PYTHON`` and as the interpreter of torchrun's workers (torchrun's ``PYTHON_EXEC``), and the
+    console scripts it runs by name (``multipath-score``) forked as well."""
+    env = clean_env(PYTHON=script_python(), PYTHON_EXEC=script_python(), **extra)
+    if PRELOADED_PYTHON.console_scripts():
+        env["PATH"] = os.pathsep.join([PRELOADED_PYTHON.console_scripts(), env["PATH"]])
+    return env
+
+
+def _resolved(args, env):
+    """``args`` with a command given by name (``multipath-score``) as the path ``PATH`` finds."""
+    if os.sep not in args[0]:
+        args = [shutil.which(args[0], path=env.get("PATH")) or args[0], *args[1:]]
+    return args
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -82,8 +93,8 @@ def run_command(args, env=None, cwd=None, timeout=600, merge_stderr=False):
     the preloaded server when the command allows it. A timeout kills the command and everything it
     started, then raises ``subprocess.TimeoutExpired``."""
     args, env = [str(a) for a in args], env or clean_env()
-    if PRELOADED_PYTHON.forkable(args, env):
-        return PRELOADED_PYTHON.run(args, env, cwd=cwd, timeout=timeout, merge_stderr=merge_stderr)
+    if PRELOADED_PYTHON.forkable(found := _resolved(args, env), env):
+        return PRELOADED_PYTHON.run(found, env, cwd=cwd, timeout=timeout, merge_stderr=merge_stderr)
     return run_subprocess(args, env, cwd=cwd, timeout=timeout, merge_stderr=merge_stderr)
 
 
@@ -92,8 +103,8 @@ def start_command(args, env=None):
     test reads while it runs, signals or kills (``pid``, ``stdout``, ``wait()``,
     ``returncode``), from the preloaded server when the command allows it."""
     args, env = [str(a) for a in args], env or clean_env()
-    if PRELOADED_PYTHON.forkable(args, env):
-        return PRELOADED_PYTHON.popen(args, env)
+    if PRELOADED_PYTHON.forkable(found := _resolved(args, env), env):
+        return PRELOADED_PYTHON.popen(found, env)
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
 

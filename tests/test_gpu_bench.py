@@ -2,13 +2,12 @@
 synchronization each, the step split and the counters in passes of their own, the anchor run
 without the plug-in's patches, and the report's form (``--device cpu --size tiny``)."""
 import json
-import os
 import subprocess
 
 import pytest
 import torch
 
-from conftest import script_python
+from conftest import script_env
 from multipath_nmt.benchmark import gpu_bench, timing
 from multipath_nmt.benchmark.kernels import KernelLaunchCounter
 
@@ -98,7 +97,7 @@ def tiny_bench(tmp_path_factory):
         ["bash", "scripts/gpu-bench.sh", "--device", "cpu", "--size", "tiny", "--out", str(out),
          "--commit", "0123abc", "--compile-backend", "aot_eager", "--only", *rows],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHON": script_python(), "PYTHON_EXEC": script_python()})
+        env=script_env())
     assert finished.returncode == 0, finished.stderr[-2000:]
     return json.loads((out / "gpu-bench.json").read_text()), (out / "gpu-bench.md").read_text()
 

@@ -193,7 +193,7 @@ def _forkable_env(startup, launched, env):
 def parse(args, python):
     """``args`` (a command line of the interpreter ``python``) as a request's kind ("module" or
     "path"), target, arguments and whether it is unbuffered: ``python [-u] -m MODULE``,
-    ``python [-u] SCRIPT.py`` or a console script of this interpreter's environment (``#!``
+    ``python [-u] SCRIPT`` (a file) or a console script of this interpreter's environment (``#!``
     ``python``); None for anything else: other options, and ``python -c``, whose short programs
     may watch their parent (the prepare pipeline's fairseq-preprocess dies with its parent)."""
     unbuffered = args[0] == python and len(args) >= 2 and args[1] == "-u"
@@ -201,8 +201,8 @@ def parse(args, python):
         args = [args[0], *args[2:]]
     if args[0] == python and len(args) >= 3 and args[1] == "-m":
         return {"kind": "module", "target": args[2], "args": args[3:], "unbuffered": unbuffered}
-    if args[0] == python and len(args) >= 2 and args[1].endswith(".py") \
-            and not args[1].startswith("-"):
+    if args[0] == python and len(args) >= 2 and not args[1].startswith("-") \
+            and os.path.isfile(args[1]):
         return {"kind": "path", "target": args[1], "args": args[2:], "unbuffered": unbuffered}
     if not unbuffered and os.path.dirname(args[0]) == os.path.dirname(python) \
             and os.path.isfile(args[0]):
@@ -369,7 +369,8 @@ class PreloadedPython:
         self.process = None
         self.channel = None  # the socket that passes pipes to the server
         self.startup = None  # the server's startup variables once it has imported PRELOADED
-        self.folder = self.shim_path = None  # the server's socket and the shim (:meth:`shim`)
+        # the server's socket, the shim (:meth:`shim`) and its console scripts
+        self.folder = self.shim_path = self.bin = None
         self.lock = threading.Lock()  # one request at a time on the server's pipes
 
     def forkable(self, args, env):
@@ -391,6 +392,15 @@ class PreloadedPython:
             self._start()
         return self.shim_path
 
+    def console_scripts(self):
+        """A folder of the environment's console scripts that fork from the server (through the
+        shim), for the front of a script's ``PATH``; None when forking is off."""
+        if not _forking():
+            return None
+        with self.lock:
+            self._start()
+        return self.bin
+
     def _start(self):
         """Start the server unless it runs."""
         if self.process is not None and self.process.poll() is None:
@@ -407,6 +417,16 @@ class PreloadedPython:
                        f"from preloaded_python import client_main\n"
                        f"client_main({sys.executable!r}, {address!r})\n")
         os.chmod(self.shim_path, 0o755)
+        # The environment's console scripts (multipath-*, fairseq-*) with the shim as their
+        # interpreter: on a script's PATH, the commands it runs by name fork too.
+        self.bin = os.path.join(self.folder, "bin")
+        os.mkdir(self.bin)
+        for name in os.listdir(os.path.dirname(sys.executable)):
+            script = os.path.join(os.path.dirname(sys.executable), name)
+            if parse([script], sys.executable) is not None:
+                with open(script) as original, open(os.path.join(self.bin, name), "w") as copy:
+                    copy.write(f"#!{self.shim_path}\n" + original.read().split("\n", 1)[1])
+                os.chmod(os.path.join(self.bin, name), 0o755)
         self.channel, theirs = socket.socketpair()
         with theirs:
             self.process = subprocess.Popen(
@@ -515,16 +535,21 @@ def _children(pid):
         return []
 
 
+def process_tree(pid):
+    """``pid`` and its descendants, each after its parent (from /proc, at this moment)."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(_children(tree[-1]))
+    return tree
+
+
 def kill_tree(pid):
     """SIGKILL a process and all its descendants at once, like a crashing machine.
 
     torchrun starts its workers in their own sessions, so killing the agent (or its process
     group) would leave the workers training on."""
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo.extend(_children(tree[-1]))
-    for member in reversed(tree):  # workers before the agent, so none is restarted
+    for member in reversed(process_tree(pid)):  # workers before the agent, so none is restarted
         try:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:

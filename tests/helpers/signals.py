@@ -4,25 +4,13 @@ import os
 import threading
 
 from conftest import start_command
+from helpers.preloaded_python import process_tree
 from helpers.training import UPDATE_LOGGED, _fail, kill_tree, stop
-
-
-def _descendants(pid):
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        try:
-            with open(f"/proc/{current}/task/{current}/children") as f:
-                todo.extend(int(child) for child in f.read().split())
-        except OSError:
-            pass
-    return tree
 
 
 def worker_of_rank(pid, rank):
     """The topmost process below ``pid`` whose environment says RANK=``rank`` (torchrun's worker)."""
-    for member in _descendants(pid)[1:]:
+    for member in process_tree(pid)[1:]:
         try:
             with open(f"/proc/{member}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
