@@ -12,7 +12,7 @@ import tarfile
 import threading
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, script_env
 from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
@@ -533,6 +533,22 @@ def corpus_argv(text, out, src="en", tgt="de"):
             "--test", text / "test", "--out", out, "--workers", "1", "--bpe-merges", "50"]
 
 
+def test_fairseq_preprocess_runs_forked_with_its_output_on_stderr_and_its_exit_status(capfd):
+    """The binarize stage's fairseq-preprocess: a child of multipath-prepare (no second import of
+    fairseq), whose log goes to stderr (stdout stays free) and whose exit status is returned."""
+    assert prepare.run_module("fairseq_cli.preprocess", ["--no-such-flag"]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and "error: unrecognized arguments: --no-such-flag" in err
+
+
+def test_a_failed_fairseq_preprocess_stops_the_stage_with_one_line(small_corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prepare, "run_module", lambda module, args: 3)
+    err = run_main(corpus_argv(small_corpus, tmp_path / "bin"), capsys)
+    assert err.splitlines()[-1] == ("multipath-prepare: error: fairseq-preprocess failed with exit "
+                                    "code 3 (its log is above)")
+    assert not (tmp_path / "bin").exists()
+
+
 def test_different_line_counts(small_corpus, tmp_path, capsys):
     with open(small_corpus / "valid.de", "a", encoding="utf-8") as f:
         f.write("Ein Satz zu viel.\n")
@@ -583,7 +599,7 @@ def test_unknown_task(capsys, tmp_path):
 
 def test_prepare_wmt_script_exits_non_zero_on_an_unknown_task(tmp_path):
     proc = run_cli(["bash", ROOT / "scripts" / "prepare-wmt.sh", "wmt16_en_ro", "--out", tmp_path / "x"],
-                   check=False)
+                   check=False, env=script_env())
     assert proc.returncode == 1
     assert "== multipath-prepare wmt wmt16_en_ro" in proc.stderr
     assert "multipath-prepare: error: unknown task 'wmt16_en_ro'; choose one of:" in proc.stderr
@@ -771,7 +787,7 @@ def test_prepare_corpus_script_on_multi30k(multi30k, tmp_path):
     out = tmp_path / "data-bin" / "multi30k"
     proc = run_cli(["bash", ROOT / "scripts" / "prepare-corpus.sh", "--src", "en", "--tgt", "de",
                     "--train", sample / "train", "--valid", sample / "val", "--test", sample / "test_2016_flickr",
-                    "--out", out, "--bpe-merges", "200", "--workers", "1"])
+                    "--out", out, "--bpe-merges", "200", "--workers", "1"], env=script_env())
     assert "== multipath-prepare corpus --src en" in proc.stderr
     bpe = tmp_path / "data-bin" / "multi30k.work" / "bpe"
     kept = sum(clean_pair(a, b) is not None for a, b in zip(prepare.read_lines(bpe / "train.en"),

@@ -31,7 +31,6 @@ import http.client
 import io
 import os
 import shutil
-import subprocess
 import sys
 import time
 import urllib.error
@@ -54,9 +53,9 @@ from multipath_nmt.pipeline.stages import (  # noqa: F401
     open_text, read_lines, run_stage, stamp_of, write_lines, write_to,
 )
 from multipath_nmt.pipeline.text import (  # noqa: F401
-    CHUNK_LINES, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH, CLEAN_MIN, CLEAN_RATIO, DIE_WITH_PARENT,
+    CHUNK_LINES, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH, CLEAN_MIN, CLEAN_RATIO,
     NON_PRINTING, _bpe_chunk, _chunks, _in_pool_worker, _init_bpe, _init_tokenizer,
-    _tokenize_chunk, clean_pair, map_file, moses_tokenize, remove_non_printing,
+    _tokenize_chunk, clean_pair, map_file, moses_tokenize, remove_non_printing, run_module,
 )
 from multipath_nmt.pipeline.wmt import ARCHIVES, TASKS
 from multipath_nmt.scoring import sgm_to_text  # noqa: F401
@@ -128,10 +127,9 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
                 "--testpref", str(clean_dir / "test"), "--destdir", str(tmp), "--joined-dictionary",
                 "--workers", str(workers)]
         log("  " + " ".join([sys.executable, "-m", "fairseq_cli.preprocess", *args]))
-        cmd = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), "fairseq_cli.preprocess", *args]
-        proc = subprocess.run(cmd, stdout=2)  # its log is progress too: keep stdout free, like every stage
-        if proc.returncode != 0:
-            raise PrepareError(f"fairseq-preprocess failed with exit code {proc.returncode} (its log is above)")
+        status = run_module("fairseq_cli.preprocess", args)
+        if status != 0:
+            raise PrepareError(f"fairseq-preprocess failed with exit code {status} (its log is above)")
         shutil.copyfile(bpe / "codes", tmp / "bpecodes")
         for lang in langs:  # the references as released, for sacreBLEU (multipath-score --raw-ref)
             shutil.copyfile(raw_text / f"test.{lang}", tmp / f"test.raw.{lang}")

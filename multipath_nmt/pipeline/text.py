@@ -1,9 +1,14 @@
 """Per-line text processing of ``multipath-prepare`` (see :mod:`multipath_nmt.pipeline.prepare`):
-the Moses scripts (sacremoses ports), clean-corpus-n.perl, and the worker pools that run them and
-subword-nmt's BPE over a file in chunks, each worker dying with multipath-prepare.
+the Moses scripts (sacremoses ports), clean-corpus-n.perl, the worker pools that run them and
+subword-nmt's BPE over a file in chunks, and the child that runs fairseq-preprocess, each process
+dying with multipath-prepare.
 """
+import ctypes
+import logging
 import multiprocessing
 import os
+import runpy
+import signal
 import sys
 from itertools import islice
 
@@ -52,42 +57,54 @@ _worker = {}
 
 # After a kill -9 of multipath-prepare, none of its children may go on writing into a stage's
 # .partial folder while the next run removes and rebuilds it: each is SIGKILLed when its parent
-# dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing is done). fairseq-preprocess runs through
-# this bootstrap (argv: our pid, the module, its arguments), which does the same for every
-# process it forks (its --workers).
-DIE_WITH_PARENT = """
-import ctypes, os, runpy, signal, sys
-try:
-    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    prctl = None
-def arm(parent):
-    if prctl is not None:
-        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the call
-            os._exit(1)
-arm(int(sys.argv[1]))
-forking = {}
-os.register_at_fork(before=lambda: forking.update(pid=os.getpid()),
-                    after_in_child=lambda: arm(forking["pid"]))
-sys.argv = sys.argv[2:]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-"""
+# dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing is done).
+def _die_with(parent):
+    """Have this process killed when its parent ``parent`` (a pid) dies; at once if it has."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the call
+        os._exit(1)
 
 
 def _in_pool_worker():
-    """A worker of our own pools (tokenize, BPE) dies with multipath-prepare, as above."""
+    """A worker of our own pools (tokenize, BPE) dies with multipath-prepare."""
     parent = multiprocessing.parent_process()
-    if parent is not None and sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+    if parent is not None:
+        _die_with(parent.pid)
 
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent.pid:
-            os._exit(1)
+
+def run_module(module, args):
+    """``python -m MODULE ARGS...`` (fairseq-preprocess) in a child forked from this process,
+    which has imported fairseq already, with the child's stdout on our stderr (its log is
+    progress: stdout stays free, as in every stage). The child dies with us, and so does every
+    process it forks (fairseq-preprocess's ``--workers``). Returns its exit status (-N: killed
+    by signal N)."""
+    child = multiprocessing.get_context("fork").Process(target=_run_module,
+                                                        args=(os.getpid(), module, list(args)))
+    child.start()
+    child.join()
+    return child.exitcode
+
+
+def _run_module(parent, module, args):
+    _die_with(parent)
+    forking = {}
+    os.register_at_fork(before=lambda: forking.update(pid=os.getpid()),
+                        after_in_child=lambda: _die_with(forking["pid"]))
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    # fairseq-preprocess on its own: importing fairseq configures the root logger (warnings to
+    # stderr) before the module's own logging.basicConfig(INFO), which then does nothing. The
+    # plug-in's import undid that configuration in this process; redo it, so that the stage
+    # prints and writes (an empty preprocess.log) what fairseq's command does.
+    logging.basicConfig()
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _init_tokenizer(lang):
