@@ -8,7 +8,6 @@ a budget per batch."""
 import copy
 import logging
 import re
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 import multipath_nmt  # noqa: F401  (registers adam_fused, installs the patches)
 from helpers.optimizers import build_wrapped
-from conftest import clean_env
+from conftest import ROOT, run_command
 from helpers.training import (SMALL_BATCHES, assert_same_tensors, load_model_state, run,
                               train_command)
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
@@ -257,9 +256,8 @@ def test_fairseq_train_amp_bf16_stops_at_a_non_finite_gradient_as_fp32_does(toy_
     for name, precision in (("fp32", []), ("amp-bf16", ["--amp", "--bf16"]),
                             ("amp-cpu", ["--amp"])):
         save = tmp_path / name
-        proc = subprocess.run(train_command(toy_data_bin, save, "baseline", *DIVERGES, *precision),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=clean_env(), timeout=180)
+        proc = run_command(train_command(toy_data_bin, save, "baseline", *DIVERGES, *precision),
+                           merge_stderr=True, timeout=180)
         assert proc.returncode == 1, proc.stdout[-3000:]
         assert "AttributeError" not in proc.stdout
         assert "num_updates=1," in proc.stdout and "num_updates=2," not in proc.stdout, name
@@ -325,36 +323,9 @@ def test_a_checkpoint_without_the_scaler_state_loads_with_fairseqs_initial_scale
     assert SCALER_STATE not in bf16.state_dict()
 
 
-# fairseq-train --amp as on a GPU, on the CPU: fairseq's CUDA GradScaler is disabled without CUDA
-# and its autocast is CUDA's, so this driver gives AMPOptimizer an enabled CPU GradScaler and runs
-# the criterion under float16 CPU autocast, at --amp-init-scale (128) with a growth interval of 2:
-# the scale doubles every second clean update, 128 -> 8192 by update 12, and fp16 gradients
-# overflow there.
-AMP_ON_THE_CPU = """
-from fairseq_cli import train  # first: it sets up fairseq's log format
-import torch
-from fairseq.optim.amp_optimizer import AMPOptimizer
-from fairseq.tasks.fairseq_task import FairseqTask
-
-def with_cpu_scaler(init):
-    def __init__(self, cfg, *args, **kwargs):
-        init(self, cfg, *args, **kwargs)
-        self._grad_scaler = torch.amp.GradScaler(
-            "cpu", init_scale=cfg.common.amp_init_scale, growth_interval=2)
-    return __init__
-
-def under_fp16_autocast(train_step):
-    def train_step_fp16(self, sample, model, criterion, *args, **kwargs):
-        def criterion_fp16(*criterion_args, **criterion_kwargs):
-            with torch.autocast("cpu", dtype=torch.float16):
-                return criterion(*criterion_args, **criterion_kwargs)
-        return train_step(self, sample, model, criterion_fp16, *args, **kwargs)
-    return train_step_fp16
-
-AMPOptimizer.__init__ = with_cpu_scaler(AMPOptimizer.__init__)
-FairseqTask.train_step = under_fp16_autocast(FairseqTask.train_step)
-train.cli_main()
-"""
+# tests/helpers/train_with_cpu_amp.py: fairseq-train --amp on the CPU with an enabled GradScaler
+# at --amp-init-scale (128) and a growth interval of 2: the scale doubles every second clean
+# update, 128 -> 8192 by update 12, and fp16 gradients overflow there.
 LOSS_SCALE = re.compile(r"\bloss_scale=([0-9.e+]+)")
 UPDATE = re.compile(r"\bnum_updates=(\d+)\b")
 
@@ -362,7 +333,7 @@ UPDATE = re.compile(r"\bnum_updates=(\d+)\b")
 def amp_on_the_cpu(data, save, updates):
     cmd = train_command(data, save, "baseline", *SMALL_BATCHES, "--amp", "--max-update", updates,
                         "--no-epoch-checkpoints")
-    output = run([sys.executable, "-c", AMP_ON_THE_CPU, *cmd[3:]])
+    output = run([sys.executable, ROOT / "tests" / "helpers" / "train_with_cpu_amp.py", *cmd[3:]])
     scales = {}  # update -> the loss scale after it, from the train_inner lines
     for line in output.splitlines():
         scale, update = LOSS_SCALE.search(line), UPDATE.search(line)

@@ -2,13 +2,11 @@
 to fp32 (PathNorm and router statistics run in fp32), and a NaN/Inf during training stops the
 run with the update number (multipath_nmt.fairseq_patches.numerics), also in CPU fp16 runs."""
 import copy
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, clean_env, run_fairseq
+from conftest import TINY_MODEL, TRAIN_FLAGS, run_command, run_fairseq
 from helpers.training import SMALL_BATCHES, train_command
 
 from multipath_nmt.modules.moe import MoEFeedForward
@@ -120,12 +118,10 @@ def runs(trains, toy_data_bin, tmp_path_factory):
     def start(name):
         save = tmp_path_factory.mktemp(name)
         cmd = train_command(toy_data_bin, save, "baseline", *RUNS[name])
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=clean_env(), timeout=180)
+        proc = run_command(cmd, merge_stderr=True, timeout=180)
         return proc.returncode, proc.stdout, save
 
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(RUNS, pool.map(start, RUNS)))
+    return {name: start(name) for name in RUNS}
 
 
 @pytest.mark.slow
