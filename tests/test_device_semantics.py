@@ -41,7 +41,6 @@ import contextlib
 import copy
 import json
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -342,11 +341,10 @@ def fake_gpu_results(trains, request):
     selected = sorted({item.callspec.params["case"] for item in request.session.items
                        if item.fspath == request.fspath and hasattr(item, "callspec")
                        and "case" in item.callspec.params})
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, "--only", *selected], capture_output=True,
-                          text=True, env=env, cwd=root, timeout=600)
+    from conftest import run_command
+
+    proc = run_command([sys.executable, __file__, "--only", *selected],
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"the fake-GPU harness exited {proc.returncode}:\n{proc.stderr[-6000:]}")
     return json.loads(proc.stdout.splitlines()[-1])

@@ -175,9 +175,14 @@ def test_a_compiled_function_runs_eagerly_under_the_kernel_counter():
 
 
 @pytest.mark.slow
-def test_proxies_count_kernels_and_syncs_of_a_whole_update(tmp_path):
+def test_proxies_count_kernels_and_syncs_of_a_whole_update(tmp_path, monkeypatch):
     """``multipath-bench --proxies``: the CPU proxies of a GPU's pace, with targets 7 and 8."""
     from multipath_nmt import benchmark
+    from multipath_nmt.benchmark import harness
+
+    # the host floor's windows as the command times them, each of a few updates: what is
+    # checked here is their count and report, not the times (a benchmark's job)
+    monkeypatch.setitem(harness.HOST_FLOOR, "window_seconds", 0.01)
 
     only = ["stock prenorm L", "stock deep 4L", "multi-path L x 4 (full)",
             "multi-path L x 4 (+cheap features)", "ParameterNet (routed, both)"]
