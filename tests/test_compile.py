@@ -20,7 +20,7 @@ from helpers.training import (
 from multipath_nmt.benchmark.batches import fake_data_dir, synthetic_batch
 from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
 from multipath_nmt.fairseq_patches import compile_layers
-from conftest import run_command
+from conftest import run_command, run_fairseq
 
 SIZE = dict(SIZES["tiny"], dim=16, ffn=32, heads=2, vocab=60)
 # (batch, length) of successive batches: the first few may compile (dynamic shapes, the decoder's
@@ -158,6 +158,12 @@ def test_fairseq_train_compiled_matches_eager_and_saves_eager_keys(toy_data_bin,
                                "--compile-layers", "aot_eager"))
     assert "loaded checkpoint" in output.lower()
     assert load_model_state(tmp_path / "compiled" / "checkpoint_last.pt")[1] == 5
+    generated = run_fairseq("generate", toy_data_bin, "--path",
+                            tmp_path / "compiled" / "checkpoint_last.pt", "--gen-subset", "test",
+                            "--beam", "2", "--cpu", "--no-progress-bar").stdout
+    sources = [line for line in generated.splitlines() if line.startswith("S-")]
+    hypotheses = [line for line in generated.splitlines() if line.startswith("H-")]
+    assert len(sources) == len(hypotheses) > 0
 
 
 def test_compile_flag_refuses_bad_input_in_one_line(toy_data_bin, tmp_path):
