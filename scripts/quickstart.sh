@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, end to end on the CPU (about 4 minutes on 2 cores):
+# The main job, end to end on the CPU (about 4.5 minutes on 2 cores):
 # synthetic En->De-like corpus -> prepare (Moses tokenization, joint BPE, binarize) -> train a
 # small Multi-Path Transformer -> average the last epoch checkpoints -> translate -> score.
 #   scripts/quickstart.sh [WORK_DIR]        (default: work/quickstart)
