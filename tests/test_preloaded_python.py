@@ -149,31 +149,6 @@ WAITS_FOR_A_SIGNAL = textwrap.dedent("""\
 """)
 
 
-def test_console_scripts_run_by_name_are_forked_and_answer_as_the_installed_ones(tmp_path):
-    """A console script that a test (``run_command(["multipath-average", ...])``) or a script on
-    :func:`script_env`'s PATH runs by name: the installed one for the test, forked from the
-    server; for the script, a copy whose interpreter is the shim, which forks it. Both print
-    and exit as the installed script does."""
-    installed = os.path.join(os.path.dirname(sys.executable), "multipath-average")
-    missing = ["--inputs", str(tmp_path / "none.pt"), "--output", str(tmp_path / "avg.pt")]
-    fresh = run_subprocess([installed, *missing], clean_env())
-    assert fresh.returncode == 1 and fresh.stderr.count("\n") == 1  # a one-line refusal
-
-    assert PRELOADED_PYTHON.forkable([installed, *missing], clean_env())
-    by_test = run_command(["multipath-average", *missing])
-    env = script_env()
-    found = subprocess.run(["bash", "-c", "command -v multipath-average"], env=env,
-                           capture_output=True, text=True).stdout.strip()
-    assert found == os.path.join(PRELOADED_PYTHON.console_scripts(), "multipath-average")
-    with open(found) as copy:
-        assert copy.readline() == f"#!{script_python()}\n"
-    assert parse([sys.executable, found, *missing], sys.executable) is not None  # the shim forks it
-    by_script = subprocess.run(["bash", "-c", 'multipath-average "$@"', "bash", *missing], env=env,
-                               capture_output=True, text=True)
-    for proc in (by_test, by_script):
-        assert (proc.returncode, proc.stdout, proc.stderr) == (1, fresh.stdout, fresh.stderr)
-
-
 @pytest.mark.parametrize("how", [("handled", signal.SIGTERM), ("default", signal.SIGTERM),
                                  ("default", signal.SIGKILL)])
 def test_a_started_command_is_read_while_it_runs_and_signalled_as_a_subprocess_is(tmp_path, how):
