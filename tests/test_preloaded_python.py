@@ -113,15 +113,18 @@ def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):
 
 
 @pytest.mark.slow  # fresh interpreters that import fairseq
-@pytest.mark.parametrize("first", ["logging", "plug-in"])
+@pytest.mark.parametrize("first", ["logging", "plug-in", "fairseq"])
 def test_the_logging_of_a_command_is_configured_as_in_a_fresh_interpreter(tmp_path, first):
     """fairseq's import configures the root logger; fairseq-train configures it first (INFO to
-    stdout), the plug-in's tools undo it: the server's own import of fairseq changes neither."""
+    stdout), the plug-in's tools undo it, fairseq-preprocess configures it after the import
+    (which then does nothing): the server's own import of fairseq changes none of these."""
     script = tmp_path / "logs.py"
-    configure = {"logging": "logging.basicConfig(stream=sys.stdout, level=logging.INFO, "
-                            "format='%(levelname)s %(name)s %(message)s')\n",
-                 "plug-in": "import multipath_nmt\n"}[first]
-    script.write_text("import logging, sys\n" + configure + "import fairseq\n"
+    basic_config = ("logging.basicConfig(stream=sys.stdout, level=logging.INFO, "
+                    "format='%(levelname)s %(name)s %(message)s')\n")
+    configure = {"logging": basic_config + "import fairseq\n",
+                 "plug-in": "import multipath_nmt\nimport fairseq\n",
+                 "fairseq": "from fairseq import options\n" + basic_config}[first]
+    script.write_text("import logging, sys\n" + configure +
                       "logging.getLogger('command').info('an info line')\n"
                       "logging.getLogger('command').warning('a warning')\n"
                       "print(len(logging.getLogger().handlers), logging.getLogger().level)\n")
@@ -131,10 +134,28 @@ def test_the_logging_of_a_command_is_configured_as_in_a_fresh_interpreter(tmp_pa
     import_time = "INFO fairseq.tasks.text_to_speech Please install tensorboardX: " \
                   "pip install tensorboardX\n"
     assert forked.stdout == fresh.stdout.replace(import_time, "")
-    assert forked.stdout.startswith({"logging": "INFO command an info line\n",
-                                     "plug-in": ""}[first])
-    assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:] == \
-        ({"logging": [], "plug-in": ["a warning"]}[first] or fresh.stderr.splitlines()[-1:])
+    assert forked.stdout == {
+        "logging": "INFO command an info line\nWARNING command a warning\n1 20\n",
+        "plug-in": "0 30\n", "fairseq": "1 30\n"}[first]
+    assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:] == {
+        "logging": fresh.stderr.splitlines()[-1:], "plug-in": ["a warning"],
+        "fairseq": ["WARNING:command:a warning"]}[first]
+
+
+def test_fairseq_preprocess_prints_and_writes_what_a_fresh_one_does(tmp_path):
+    """fairseq-preprocess imports fairseq before it configures logging: forked, it logs nothing
+    and leaves an empty preprocess.log, as a fresh one does."""
+    text = tmp_path / "train"
+    for lang in ("en", "de"):
+        text.with_suffix(f".{lang}").write_text("a b c\nb c d\n")
+    outputs = []
+    for run, destdir in ((run_command, tmp_path / "forked"), (run_subprocess, tmp_path / "fresh")):
+        args = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en",
+                "--target-lang", "de", "--trainpref", str(text), "--destdir", str(destdir),
+                "--joined-dictionary", "--workers", "1"]
+        proc = run(args, clean_env()) if run is run_subprocess else run(args)
+        outputs.append((proc.returncode, proc.stdout, (destdir / "preprocess.log").read_text()))
+    assert outputs[0] == outputs[1] == (0, "", "")
 
 
 # Prints a line to stderr and one to stdout, then waits for the test's signal: with its own SIGTERM handler (as fairseq-train

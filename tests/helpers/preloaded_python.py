@@ -33,6 +33,7 @@ import atexit
 import builtins
 import io
 import json
+import logging
 import os
 import runpy
 import shutil
@@ -77,10 +78,32 @@ def _exit_code(error: SystemExit) -> int:
     return 1
 
 
-def _run_child(request, pipe=None, client=None, fds=None):
+def _configured_at_the_first_fairseq_import(level, handlers):
+    """From the command's first ``import fairseq...`` on, the root logger as that import leaves
+    it in a fresh interpreter: ``level`` and ``handlers`` (the server's after its own imports),
+    unless the command configured it first. The server imported fairseq before the command ran,
+    so the command's import statement does nothing by itself; without this, a command that
+    imports fairseq before calling ``logging.basicConfig`` (fairseq-preprocess, fairseq-generate)
+    would log lines that a fresh one does not."""
+    original = builtins.__import__
+
+    def importing(name, globals=None, locals=None, fromlist=(), relative=0):
+        if relative == 0 and (name == "fairseq" or name.startswith("fairseq.")):
+            builtins.__import__ = original
+            root = logging.getLogger()
+            if not root.handlers:  # logging.basicConfig configures an unconfigured root only
+                root.setLevel(level)
+                root.handlers[:] = handlers
+        return original(name, globals, locals, fromlist, relative)
+
+    builtins.__import__ = importing
+
+
+def _run_child(request, pipe, client, fds, fairseq_logging):
     """In the forked child: become the command, run it, exit. Never returns. Its output goes
     to the files the request names, into ``pipe`` (stdout and stderr) if there is one, or to the
-    standard streams ``fds`` of the ``client`` (:func:`client_main`) that asked for it."""
+    standard streams ``fds`` of the ``client`` (:func:`client_main`) that asked for it;
+    ``fairseq_logging``: the root logger's level and handlers after the server's imports."""
     code, interrupted = 1, False
     try:
         if fds is not None:
@@ -121,6 +144,7 @@ def _run_child(request, pipe=None, client=None, fds=None):
         main = types.ModuleType("__main__")
         main.__builtins__ = builtins
         sys.modules["__main__"] = main
+        _configured_at_the_first_fairseq_import(*fairseq_logging)
         try:
             if request["kind"] == "module":
                 sys.path[0] = request["cwd"]
@@ -221,7 +245,6 @@ def serve(channel, address, shim):
     standard streams; the server forks them at once, however many run, and answers the same
     two messages on the connection."""
     import importlib
-    import logging
     import select
 
     launched = dict(os.environ)
@@ -230,8 +253,11 @@ def serve(channel, address, shim):
     for name in PRELOADED:
         importlib.import_module(name)
     # fairseq's import configures the root logger (a task module calls logging.basicConfig); a
-    # command configures it before that import (fairseq-train logs to stdout), or the plug-in
-    # undoes it: as in a fresh interpreter, the command finds it unconfigured.
+    # command configures it before that import (fairseq-train logs to stdout) or after it
+    # (fairseq-preprocess, whose configuration then does nothing), or the plug-in undoes it: as
+    # in a fresh interpreter, the command finds it unconfigured, and its first import of fairseq
+    # configures it (_configured_at_the_first_fairseq_import).
+    fairseq_logging = root.level, list(root.handlers)
     root.setLevel(unconfigured[0])
     root.handlers[:] = unconfigured[1]
     replies = os.fdopen(os.dup(1), "w")
@@ -256,7 +282,7 @@ def serve(channel, address, shim):
         if pid == 0:
             for other in (replies, channel, listener, requests, *clients.values()):
                 other.close()
-            _run_child(request, pipe, client, fds)
+            _run_child(request, pipe, client, fds, fairseq_logging)
         return pid
 
     def reply(client, message):
