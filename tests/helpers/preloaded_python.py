@@ -78,23 +78,23 @@ def _exit_code(error: SystemExit) -> int:
     return 1
 
 
-def _configured_at_the_first_fairseq_import(level, handlers):
+def _configured_at_the_first_fairseq_import(root_level, root_handlers):
     """From the command's first ``import fairseq...`` on, the root logger as that import leaves
-    it in a fresh interpreter: ``level`` and ``handlers`` (the server's after its own imports),
-    unless the command configured it first. The server imported fairseq before the command ran,
-    so the command's import statement does nothing by itself; without this, a command that
-    imports fairseq before calling ``logging.basicConfig`` (fairseq-preprocess, fairseq-generate)
-    would log lines that a fresh one does not."""
+    it in a fresh interpreter: ``root_level`` and ``root_handlers`` (the server's after its own
+    imports), unless the command configured it first. The server imported fairseq before the
+    command ran, so the command's import statement does nothing by itself; without this, a
+    command that imports fairseq before calling ``logging.basicConfig`` (fairseq-preprocess,
+    fairseq-generate) would log lines that a fresh one does not."""
     original = builtins.__import__
 
-    def importing(name, globals=None, locals=None, fromlist=(), relative=0):
-        if relative == 0 and (name == "fairseq" or name.startswith("fairseq.")):
+    def importing(name, globals=None, locals=None, fromlist=(), level=0):  # __import__'s own
+        if level == 0 and (name == "fairseq" or name.startswith("fairseq.")):
             builtins.__import__ = original
             root = logging.getLogger()
             if not root.handlers:  # logging.basicConfig configures an unconfigured root only
-                root.setLevel(level)
-                root.handlers[:] = handlers
-        return original(name, globals, locals, fromlist, relative)
+                root.setLevel(root_level)
+                root.handlers[:] = root_handlers
+        return original(name, globals, locals, fromlist, level)
 
     builtins.__import__ = importing
 
