@@ -142,6 +142,7 @@ def test_the_logging_of_a_command_is_configured_as_in_a_fresh_interpreter(tmp_pa
         "fairseq": ["WARNING:command:a warning"]}[first]
 
 
+@pytest.mark.slow  # an end-to-end fairseq-preprocess, in a fresh interpreter too
 def test_fairseq_preprocess_prints_and_writes_what_a_fresh_one_does(tmp_path):
     """fairseq-preprocess imports fairseq before it configures logging: forked, it logs nothing
     and leaves an empty preprocess.log, as a fresh one does."""
