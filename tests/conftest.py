@@ -70,8 +70,9 @@ def script_env(**extra):
     ``PYTHON`` and as the interpreter of torchrun's workers (torchrun's ``PYTHON_EXEC``), and the
     console scripts it runs by name (``multipath-score``) forked as well."""
     env = clean_env(PYTHON=script_python(), PYTHON_EXEC=script_python(), **extra)
-    if PRELOADED_PYTHON.console_scripts():
-        env["PATH"] = os.pathsep.join([PRELOADED_PYTHON.console_scripts(), env["PATH"]])
+    console_scripts = PRELOADED_PYTHON.console_scripts()
+    if console_scripts:
+        env["PATH"] = os.pathsep.join([console_scripts, env["PATH"]])
     return env
 
 

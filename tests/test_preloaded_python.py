@@ -149,14 +149,15 @@ def test_fairseq_preprocess_prints_and_writes_what_a_fresh_one_does(tmp_path):
     text = tmp_path / "train"
     for lang in ("en", "de"):
         text.with_suffix(f".{lang}").write_text("a b c\nb c d\n")
-    outputs = []
-    for run, destdir in ((run_command, tmp_path / "forked"), (run_subprocess, tmp_path / "fresh")):
-        args = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en",
+    def preprocess(destdir):
+        return [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "en",
                 "--target-lang", "de", "--trainpref", str(text), "--destdir", str(destdir),
                 "--joined-dictionary", "--workers", "1"]
-        proc = run(args, clean_env()) if run is run_subprocess else run(args)
-        outputs.append((proc.returncode, proc.stdout, (destdir / "preprocess.log").read_text()))
-    assert outputs[0] == outputs[1] == (0, "", "")
+
+    forked = run_command(preprocess(tmp_path / "forked"))
+    fresh = run_subprocess(preprocess(tmp_path / "fresh"), clean_env())
+    assert [(proc.returncode, proc.stdout, (tmp_path / name / "preprocess.log").read_text())
+            for proc, name in ((forked, "forked"), (fresh, "fresh"))] == [(0, "", "")] * 2
 
 
 # Prints a line to stderr and one to stdout, then waits for the test's signal: with its own SIGTERM handler (as fairseq-train
