@@ -225,3 +225,52 @@ def test_an_arch_without_a_row_is_refused_not_given_a_recipe(arch):
     assert str(error.value) == (
         f"unknown arch '{arch}': no recipe for it in multipath_nmt/recipe/archs.py's "
         f"ARCH_RECIPES; add a row (BASE or DEEP) for it there")
+
+
+def test_the_memory_models_peaks_are_those_of_the_committed_gpu_run():
+    """Every figure the GPU memory model is fitted to is a peak in docs/bench/gpu-check-h200.json
+    (the run whose commit its docstring names), at that run's micro-batch and dictionary."""
+    import json
+    from pathlib import Path
+
+    from multipath_nmt.recipe import memory_model
+
+    run = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" /
+                      "gpu-check-h200.json").read_text())
+    assert run["environment"]["commit"].startswith("c5b0c09") and run["precision"] == "bf16"
+    assert (run["shape"]["max_tokens"], run["shape"]["vocab"]) == (
+        memory_model.MEASURED_MAX_TOKENS, memory_model.MEASURED_VOCAB)
+    peaks = {(s["peak_memory_mib"], s["params"]) for s in run["systems"].values()}
+    assert set(memory_model._ROUTED_PEAKS.values()) <= peaks
+    assert {(3931.21142578125, 60524544), (5962.7158203125, 117279804)} <= peaks
+    base = run["systems"]["stock prenorm L"]
+    assert (base["peak_memory_mib"], base["params"]) == (3931.21142578125, 60524544)
+
+
+@pytest.mark.parametrize("arch", ["transformer_prenorm_wmt_en_de", "transformer_deep24_wmt_en_de",
+                                  "transformer_wide_wmt_en_de", "multipath_l6_p4_wmt_en_de",
+                                  "multipath_l12_p3_wmt_en_de"])
+def test_the_memory_models_shapes_are_the_built_models(tmp_path, arch):
+    """The static memory counts the parameters of the model fairseq builds for the arch, to 1%
+    (the count leaves out biases and LayerNorms)."""
+    import argparse
+
+    import torch
+    from fairseq.data import Dictionary
+    from fairseq.models import ARCH_MODEL_REGISTRY, ARCH_CONFIG_REGISTRY
+
+    import multipath_nmt  # noqa: F401  (registers the archs)
+    from multipath_nmt.recipe.memory_model import STATIC_BYTES_PER_PARAM, estimate
+
+    dictionary = Dictionary()
+    for i in range(31996):
+        dictionary.add_symbol(f"w{i}")
+    (tmp_path / "dict.en.txt").write_text("".join(f"w{i} 1\n" for i in range(31996)))
+    args = argparse.Namespace(share_all_embeddings=True, arch=arch)
+    ARCH_CONFIG_REGISTRY[arch](args)
+    task = argparse.Namespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    with torch.device("meta"):
+        model = ARCH_MODEL_REGISTRY[arch].build_model(args, task)
+    built = sum(p.numel() for p in model.parameters())
+    counted = estimate(arch, [tmp_path / "dict.en.txt"], True).static_bytes / STATIC_BYTES_PER_PARAM
+    assert len(dictionary) == 32000 and abs(counted / built - 1) < 0.01

@@ -18,11 +18,18 @@ from fairseq import checkpoint_utils
 TRAIN_SH = ROOT / "scripts" / "train.sh"
 
 
+# A WMT joined dictionary's size: the GPU memory model counts the output layer's logits per type.
+WMT_TYPES = 32000
+# The GPU card of the dry runs unless a test gives another: the 12 GB on which the authors'
+# 4,096-token micro-batch fits (train.sh sizes the micro-batch from the card's memory).
+CARD_MIB = "12288"
+
+
 @pytest.fixture
 def fake_data_bin(tmp_path):
     """A joined-dictionary en-de data-bin (dictionaries only: --dry-run reads nothing else)."""
     for lang in ("en", "de"):
-        (tmp_path / f"dict.{lang}.txt").write_text("a 1\n")
+        (tmp_path / f"dict.{lang}.txt").write_text("".join(f"w{i} 1\n" for i in range(WMT_TYPES)))
     return tmp_path
 
 
@@ -33,6 +40,7 @@ def _dry_run(data_bin, *args, gpus="0", check=True, **env):
     # leaves it to torch)
     if gpus != "0":
         env.setdefault("MULTIPATH_NMT_BF16", "0")
+        env.setdefault("MULTIPATH_NMT_GPU_MEMORY_MIB", CARD_MIB)
     env = {k: v for k, v in env.items() if v is not None}  # None: leave it unset
     env = script_env(MULTIPATH_NMT_NUM_GPUS=gpus, **env)
     return run_cli(["bash", TRAIN_SH, data_bin, "save", *args, "--dry-run"], env=env, check=check)
@@ -223,24 +231,76 @@ def test_fp16_on_the_cpu_is_refused_in_one_line(fake_data_bin):
 @pytest.mark.parametrize("arch,message", [
     ("transformer_prenorm_wmt_en_de", "32,768 tokens per update (the paper's 4,096, read as per GPU, x 8 GPUs) "
      "cannot be split evenly over 3 GPUs; use a GPU count that divides it (CUDA_VISIBLE_DEVICES "
-     "selects them) or pass --batch-tokens 32760 (3640 max-tokens x 3 workers x 3 update-freq)"),
+     "selects them) or pass --batch-tokens 32766 (5461 max-tokens x 3 workers x 2 update-freq)"),
     ("multipath_l6_p4_wmt_en_de", "65,536 tokens per update (the paper's 8,192, read as per GPU, x 8 GPUs) "
      "cannot be split evenly over 3 GPUs; use a GPU count that divides it (CUDA_VISIBLE_DEVICES "
-     "selects them) or pass --batch-tokens 65520 (3640 max-tokens x 3 workers x 6 update-freq)"),
+     "selects them) or pass --batch-tokens 65535 (4369 max-tokens x 3 workers x 5 update-freq)"),
 ])
 def test_three_gpus_are_refused_with_a_batch_that_works(fake_data_bin, arch, message):
     proc = _dry_run(fake_data_bin, "--arch", arch, gpus="3", check=False)
     assert proc.returncode == 1 and proc.stderr.strip() == f"train.sh: error: {message}"
-    batch_tokens, update_freq = re.search(r"--batch-tokens (\d+) .* x (\d+) update-freq", message).groups()
+    batch_tokens, max_tokens, update_freq = re.search(
+        r"--batch-tokens (\d+) \((\d+) max-tokens .* x (\d+) update-freq", message).groups()
     proc = _dry_run(fake_data_bin, "--arch", arch, "--batch-tokens", batch_tokens, gpus="3")
     _, flags = _flags(proc)
-    assert (flags["--max-tokens"], flags["--update-freq"]) == ("3640", update_freq)
+    assert (flags["--max-tokens"], flags["--update-freq"]) == (max_tokens, update_freq)
+
+
+# The micro-batch sized from the card's memory (MULTIPATH_NMT_GPU_MEMORY_MIB stands in for it):
+# one 141 GB H200 takes each worker's whole share at once, a 12 GB card the authors' 4,096, 8 GPUs
+# a share of 4,096; the tokens per update stay the paper's.
+@pytest.mark.parametrize("arch,gpus,card_mib,max_tokens,update_freq", [
+    ("transformer_prenorm_wmt_en_de", "1", "143771", "32768", "1"),
+    ("multipath_l6_p4_wmt_en_de", "1", "143771", "65536", "1"),
+    ("transformer_deep24_wmt_en_de", "1", "143771", "65536", "1"),
+    ("transformer_prenorm_wmt_en_de", "8", "143771", "4096", "1"),
+    ("transformer_prenorm_wmt_en_de", "1", "12288", "4096", "8"),
+    ("multipath_l6_p4_wmt_en_de", "1", "12288", "4096", "16"),
+    ("transformer_prenorm_wmt_en_de", "1", "32768", "16384", "2"),  # a 32 GB card
+])
+def test_the_micro_batch_is_sized_from_the_gpus_memory(fake_data_bin, arch, gpus, card_mib,
+                                                       max_tokens, update_freq):
+    proc = _dry_run(fake_data_bin, "--arch", arch, gpus=gpus, MULTIPATH_NMT_BF16="1",
+                    MULTIPATH_NMT_GPU_MEMORY_MIB=card_mib)
+    _, flags = _flags(proc)
+    assert (flags["--max-tokens"], flags["--update-freq"]) == (max_tokens, update_freq)
+    total = 32768 if arch.startswith("transformer_prenorm") else 65536
+    assert int(max_tokens) * int(gpus) * int(update_freq) == total
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("train.sh: micro-batch:"))
+    assert line.startswith(f"train.sh: micro-batch: {int(max_tokens):,} tokens, each worker's "
+                           f"share cut into equal parts of at most ")
+    assert line.endswith(f"the micro-batch that fits {int(card_mib):,} MiB "
+                         f"(MULTIPATH_NMT_GPU_MEMORY_MIB) with a 2x margin: " + line.split(
+                             "2x margin: ")[1])
+    assert "(multipath_nmt/recipe/memory_model.py)" in line
+
+
+def test_a_given_max_tokens_caps_the_gpu_sized_micro_batch(fake_data_bin):
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", "--max-tokens",
+                    "4096", gpus="1", MULTIPATH_NMT_BF16="1", MULTIPATH_NMT_GPU_MEMORY_MIB="143771")
+    assert (_flags(proc)[1]["--max-tokens"], _flags(proc)[1]["--update-freq"]) == ("4096", "8")
+    assert ("train.sh: micro-batch: 4,096 tokens, each worker's share cut into equal parts of at "
+            "most 4,096: --max-tokens given (a cap)") in proc.stdout
+
+
+@pytest.mark.parametrize("value,message", [
+    ("12GB", "MULTIPATH_NMT_GPU_MEMORY_MIB must be a positive number of MiB, got '12GB'"),
+    ("900", "transformer_prenorm_wmt_en_de does not fit this GPU's memory (the micro-batch that "
+            "fits 900 MiB (MULTIPATH_NMT_GPU_MEMORY_MIB) with a 2x margin: 1,037 MiB of weights "
+            "and optimizer state + 723 KiB per token (multipath_nmt/recipe/memory_model.py)); "
+            "give --max-tokens N to try a micro-batch anyway"),
+])
+def test_a_card_memory_that_cannot_plan_is_one_line(fake_data_bin, value, message):
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", gpus="1",
+                    MULTIPATH_NMT_GPU_MEMORY_MIB=value, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"train.sh: error: {message}"
 
 
 @pytest.mark.parametrize("arch,gpus,args,max_tokens,update_freq", [
     ("multipath_l6_p2_wmt_en_de", "0", [], "4096", "2"),                      # CPU: 8,192
     ("transformer_prenorm_wmt_en_de", "8", ["--batch-tokens", "65536"], "4096", "2"),
-    ("transformer_deep12_wmt_en_de", "1", ["--batch-tokens=30000"], "3750", "8"),
+    # 12 GB hold 6,250 tokens of deep12 (memory_model.py): 30,000 = 6,000 x 5
+    ("transformer_deep12_wmt_en_de", "1", ["--batch-tokens=30000"], "6000", "5"),
     ("ewa_transformer_wmt_en_de", "0", ["--batch-tokens", "65536", "--max-update", "9"], "4096",
      "16"),
     ("transformer_deep24_wmt_en_de", "2", ["--max-tokens", "3000"], "2048", "16"),

@@ -2,7 +2,7 @@
 decoding defaults, as the fairseq-train and fairseq-generate command lines that
 ``scripts/train.sh``, ``scripts/translate.sh`` and the Multi30k study run: learning rate, warm-up
 and batch per architecture (:mod:`.archs`, an explicit table), the batch split over GPUs
-(:mod:`.batch`), which embeddings are shared (:mod:`.data_bin`), the device and precision
+(:mod:`.batch`) in micro-batches that the GPU's memory holds (:mod:`.memory_model`), which embeddings are shared (:mod:`.data_bin`), the device and precision
 (:mod:`.devices`), the launcher for several processes (:mod:`.launcher`), the command lines
 (:mod:`.commands`) and translate.sh's output files (:mod:`.translation`).
 

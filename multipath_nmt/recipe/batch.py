@@ -6,8 +6,8 @@ from typing import Optional
 
 from multipath_nmt.recipe.archs import PAPER_GPUS, Recipe, RecipeError
 
-# max-tokens when the user gives none: the authors' per-GPU micro-batch (their deep recipe
-# reaches 8,192 per GPU as 4,096 x update-freq 2), which fits a 12 GB GPU.
+# max-tokens when the user gives none and no GPU memory sizes it (CPU processes): the authors'
+# per-GPU micro-batch (their deep recipe reaches 8,192 per GPU as 4,096 x update-freq 2).
 DEFAULT_MAX_TOKENS = 4096
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 from multipath_nmt.recipe.archs import RecipeError, criterion_for_arch, recipe_for_arch
-from multipath_nmt.recipe.batch import batch_plan
+from multipath_nmt.recipe.batch import DEFAULT_MAX_TOKENS, batch_plan
 from multipath_nmt.recipe.data_bin import dictionary_files, embedding_sharing
 from multipath_nmt.recipe.devices import (PRECISION_NOTES, PRECISIONS, choose_precision,
                                           ddp_on_cpu, gpu_count)
 from multipath_nmt.recipe.launcher import LAUNCHER_NOTE, launcher_arguments
+from multipath_nmt.recipe.memory_model import planned_max_tokens
 
 # The plug-in folder for fairseq's --user-dir (multipath_nmt.USER_DIR, found here without
 # importing the package).
@@ -117,6 +118,23 @@ def _train_arguments(args: Sequence[str]) -> Tuple[str, dict, List[str]]:
     return arch, options, passed_on
 
 
+def _micro_batch_cap(arch, dictionaries, shared, passed_on, options, gpus, on_cpu):
+    """The largest micro-batch (max-tokens) a worker may take, and where it comes from: the
+    user's ``--max-tokens``; on GPUs, the largest that fits the card's memory
+    (:mod:`.memory_model`); else :data:`DEFAULT_MAX_TOKENS`."""
+    given = _positive_int("max-tokens", options.get("max_tokens"))
+    if given is not None:
+        return given, "--max-tokens given (a cap)"
+    if gpus and (not on_cpu or "MULTIPATH_NMT_GPU_MEMORY_MIB" in os.environ):
+        tokens, source = planned_max_tokens(arch, dictionaries, shared, passed_on)
+        if tokens < 1:
+            raise RecipeError(f"{arch} does not fit this GPU's memory ({source}); give "
+                              f"--max-tokens N to try a micro-batch anyway")
+        return tokens, source
+    return DEFAULT_MAX_TOKENS, (f"the default for CPU processes ({DEFAULT_MAX_TOKENS:,}; "
+                                f"--max-tokens N to change it)")
+
+
 def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] = None,
                   python: str = sys.executable, bf16: Optional[bool] = None) -> Command:
     """fairseq-train's command line with the paper's recipe, for train.sh's arguments ``args``:
@@ -139,7 +157,9 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
                                   options.get("rdzv_id"))
     on_cpu = gpus and ddp_on_cpu()
     workers = gpus * nodes
-    plan = batch_plan(recipe, workers, _positive_int("max-tokens", options.get("max_tokens")),
+    cap, micro_batch = _micro_batch_cap(arch, dictionaries, bool(sharing), passed_on, options,
+                                        gpus, on_cpu)
+    plan = batch_plan(recipe, workers, cap,
                       _positive_int("--batch-tokens", options.get("batch_tokens")),
                       _positive_int("--update-freq", options.get("update_freq")))
     precision = choose_precision(options.get("precision", "auto"), 0 if on_cpu else gpus, bf16)
@@ -164,6 +184,8 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
     notes += [f"{recipe.name} recipe for {arch}: lr {recipe.lr}, {recipe.warmup_updates} warmup "
               f"updates",
               f"batch: {plan.arithmetic()}",
+              f"micro-batch: {plan.max_tokens:,} tokens, each worker's share cut into equal "
+              f"parts of at most {cap:,}: {micro_batch}",
               f"embeddings: {shared} for {', '.join(d.name for d in dictionaries)}"]
     length, length_note = training_length(arch, passed_on)
     notes.append(length_note)
