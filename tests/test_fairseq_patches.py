@@ -10,7 +10,7 @@ import pytest
 
 from helpers.patch_switch import patched_attributes
 from multipath_nmt import fairseq_patches
-from multipath_nmt.fairseq_patches import ewa_trainer, numerics, preemption
+from multipath_nmt.fairseq_patches import ewa_trainer, mixed_precision, numerics, preemption
 from multipath_nmt.fairseq_patches.wrapping import patch_name, patches_of, wrap
 
 TESTS = Path(__file__).parent
@@ -30,13 +30,15 @@ def test_install_twice_wraps_nothing_again():
         assert marks and len(set(marks)) == len(marks), (name, marks)
 
 
-def test_train_step_is_wrapped_by_numerics_then_ewa():
+def test_train_step_is_wrapped_by_numerics_then_mixed_precision_then_ewa():
     from fairseq.trainer import Trainer
 
-    # preemption (53998de) marks the step outermost, for its all-reduce of the stop flag
-    assert patches_of(Trainer.train_step) == (patch_name(numerics._report_update),
-                                              patch_name(ewa_trainer._flagging_train_step),
-                                              patch_name(preemption._in_train_step))
+    # preemption (53998de) marks the step outermost, for its all-reduce of the stop flag; the
+    # weight casts kept over the update also serve numerics' re-run of a non-finite update
+    assert patches_of(Trainer.train_step) == (
+        patch_name(numerics._report_update),
+        patch_name(mixed_precision._weights_cast_once_per_update),
+        patch_name(ewa_trainer._flagging_train_step), patch_name(preemption._in_train_step))
 
 
 def test_wrap_keeps_static_and_class_methods_and_marks_each_patch():

@@ -5,6 +5,7 @@ with a CPU ``GradScaler`` standing in for the CUDA one, ``--fp16`` with its flat
 Also: a non-finite gradient without loss scaling stops as in fp32, a resumed fp16 ``--amp``
 run keeps its loss scale, the loss scaler takes ``--amp``'s flags, and ``--amp-batch-retries`` is
 a budget per batch."""
+import contextlib
 import copy
 import logging
 import re
@@ -448,3 +449,46 @@ def test_amp_batch_retries_are_a_budget_per_batch(tmp_path, monkeypatch, caplog)
     assert trainer.get_num_updates() == 7  # every batch but 6
     assert trainer.optimizer.scaler.get_scale() == SCALE / 2 ** 4
     assert retry_counts == [0] * len(batches)
+
+
+def _bf16_update(tmp_path, update_freq, seed_batches=3):
+    """One --amp --bf16 update of ``update_freq`` micro-batches on the CPU: the casts of fp32
+    weights it made, its loss and the weights after it."""
+    from multipath_nmt.benchmark.kernels import KernelLaunchCounter
+
+    with fake_data_dir(100) as data:
+        trainer, task = build_trainer_from_argv(train_command(
+            data, tmp_path, "baseline", "--source-lang", "src", "--target-lang", "tgt", "--amp",
+            "--bf16", "--update-freq", str(update_freq))[3:])
+        batches = padded_batches(task, trainer.model, 200, update_freq, mean_length=10,
+                                 seed=seed_batches)
+    weights = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+
+    class WeightCasts(KernelLaunchCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and \
+                    args[0].untyped_storage().data_ptr() in weights:
+                self.by_op["weight cast"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with WeightCasts() as casts:
+        logging_output = trainer.train_step(batches)
+    return (casts.by_op["weight cast"], len(weights), logging_output["loss"],
+            {k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+
+def test_bf16_autocast_casts_the_weights_once_per_update(tmp_path, monkeypatch):
+    """Under --amp --bf16 every weight is cast once per update however many micro-batches it
+    has; fairseq cast it again in each (its autocast region per micro-batch drops the casts).
+    The update is the same, bit for bit, as with a cast per micro-batch."""
+    from multipath_nmt.fairseq_patches import mixed_precision
+
+    once = {n: _bf16_update(tmp_path, n) for n in (1, 4)}
+    casts, weights = once[4][:2]
+    assert casts == once[1][0] and weights / 2 < casts <= weights  # the matrices, not the norms
+    monkeypatch.setattr(mixed_precision, "weight_casts_kept", contextlib.nullcontext)
+    every = _bf16_update(tmp_path, 4)
+    assert every[0] == 4 * casts  # fairseq's own: a cast per micro-batch
+    assert every[2] == once[4][2]
+    assert_same_tensors(every[3], once[4][3])
+

@@ -62,6 +62,8 @@ mixed_precision   ``AMPOptimizer.step``                                       ``
                   ``AMPOptimizer.__init__``                                   ``--amp --bf16``: no loss scaler, bf16 autocast;     fairseq 0.12  tests/test_mixed_precision.py::test_amp_bf16_has_no_loss_scaler_and_records_its_dtype
                                                                               the scaler ignored ``--amp-init-scale`` and took                   tests/test_mixed_precision.py::test_amp_loss_scaler_takes_the_amp_flags
                                                                               ``--amp-scale-window`` from ``--amp-init-scale``
+                  ``Trainer.train_step``                                      ``--amp`` cast every weight again in every           fairseq 0.12  tests/test_mixed_precision.py::test_bf16_autocast_casts_the_weights_once_per_update
+                                                                              micro-batch of an update
                   ``Trainer.set_num_updates``                                 ``--amp-batch-retries`` counted over the whole run,  fairseq 0.12  tests/test_mixed_precision.py::test_amp_batch_retries_are_a_budget_per_batch
                                                                               not per batch
                   ``options.parse_args_and_arch``                             ``--bf16`` implied ``--tpu`` without torch_xla       fairseq 0.12  tests/test_mixed_precision.py::test_bf16_means_a_tpu_only_where_torch_xla_is_installed

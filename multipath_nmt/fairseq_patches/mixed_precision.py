@@ -56,6 +56,13 @@ What fairseq 0.12 does, and what is changed:
   loss scale"). ``--fp16-init-scale`` and ``--fp16-scale-window`` are ``--fp16``'s again. Nothing
   else of the scaler changes; on a machine without CUDA fairseq's CUDA scaler still disables
   itself (above).
+* Under ``--amp``, autocast cast every fp32 weight again in every micro-batch of an update
+  (fairseq opens one autocast region per micro-batch, and autocast drops its casts when its
+  outermost region closes): at ``--update-freq`` N, N copies of every weight per update, the
+  largest share of a small model's kernel launches. ``Trainer.train_step`` now holds one autocast
+  nesting level open over the update, so the first micro-batch's casts serve the others, and
+  drops them when the update ends. The casts are of the same unchanged weights: the same loss and
+  gradients, bit for bit.
 * ``--amp-batch-retries`` was a budget for the whole run, not per batch: ``Trainer.train_step``
   counts the retries of a batch after an overflow in ``Trainer._amp_retries`` and set it back to
   0 only when a batch used up the budget and was skipped, never after a successful update. So
@@ -277,6 +284,34 @@ def _recompute_under_forward_autocast(forward):
     return forward_remembering_autocast
 
 
+@contextlib.contextmanager
+def weight_casts_kept():
+    """Keeps autocast's low-precision copies of the weights until the block ends.
+
+    autocast keeps the copies of the weights it casts until its outermost region closes; with one
+    nesting level held open over a whole update, the copies made by the first micro-batch serve
+    the others. They are dropped when the block ends."""
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+
+
+def _weights_cast_once_per_update(train_step):
+    @functools.wraps(train_step)
+    def train_step_casting_weights_once(self, samples, *args, **kwargs):
+        if not self.cfg.common.amp or len(samples) < 2:
+            return train_step(self, samples, *args, **kwargs)
+        # The weights change only in the optimizer step, after the last backward, and nothing
+        # runs under autocast between that step and the end of train_step.
+        with weight_casts_kept():
+            return train_step(self, samples, *args, **kwargs)
+
+    return train_step_casting_weights_once
+
+
 def install():
     from fairseq import options
     from fairseq.modules.checkpoint_activations import CheckpointFunction
@@ -294,4 +329,5 @@ def install():
     wrap(Trainer, "__init__", _keep_fp32_weights_under_amp_bf16)
     wrap(Trainer, "set_num_updates", _retries_per_batch)
     wrap(FairseqTask, "train_step", _autocast_to_bf16)
+    wrap(Trainer, "train_step", _weights_cast_once_per_update)
     wrap(CheckpointFunction, "forward", _recompute_under_forward_autocast)
