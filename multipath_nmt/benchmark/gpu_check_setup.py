@@ -18,7 +18,7 @@ from multipath_nmt.benchmark.systems import System, systems_for
 # must not eat the device time).
 #
 # Time on one H200 (BENCHMARKS.md, docs/gpu.md): the table, 121 s for 7 systems (at c5b0c09,
-# docs/bench/gpu-check-h200.json); the recipe leg alone, 142 s (at 57ea5f2,
+# docs/bench/gpu-check-h200.json); the recipe leg alone, 128 s (at 57ea5f2,
 # docs/bench/gpu-check-recipe-h200.json): its longest process, multi-path 6 x 4's first bf16 run,
 # took 66 s beside the other three chains.
 CHECK_SIZES = {
