@@ -92,6 +92,8 @@ def test_rows_past_the_budget_are_reported_not_run():
 def tiny_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bench")
     rows = [gpu_bench.ANCHOR, gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH,
+            *(name + gpu_bench.ONE_CARD for name in (gpu_bench.BASE, gpu_bench.MULTIPATH,
+                                                     gpu_bench.ANCHOR)),
             gpu_bench.BASE + gpu_bench.COMPILED]
     finished = subprocess.run(
         ["bash", "scripts/gpu-bench.sh", "--device", "cpu", "--size", "tiny", "--out", str(out),
@@ -115,8 +117,17 @@ def test_anchor_is_stock_fairseq_and_the_rows_train_sh_commands(tiny_bench):
     for name in (gpu_bench.BASE, gpu_bench.DEEP, gpu_bench.MULTIPATH):
         assert "--optimizer adam_fused" in rows[name]["command"], name
         assert rows[name]["patched_train_step"], name
+    # one card (the tiny size: 1,024 tokens per update on a 4 GB card): one micro-batch that
+    # holds the whole update, for the anchor too; the other rows 2 of the size's 256 tokens
+    for name in (gpu_bench.BASE, gpu_bench.MULTIPATH, gpu_bench.ANCHOR):
+        card = rows.pop(name + gpu_bench.ONE_CARD)
+        assert (card["max_tokens"], card["update_freq"]) == (1024, 1), name
+        assert "--max-tokens 1024 --update-freq 1 " in card["command"], name
+        assert card["command"].replace("--max-tokens 1024 --update-freq 1 ", "") == \
+            rows[name]["command"].replace("--max-tokens 256 --update-freq 2 ", ""), name
+        assert card["planned_peak_mib"] > rows[name]["planned_peak_mib"] > 0, name
     for name, row in rows.items():
-        assert row["update_freq"] == gpu_bench.UPDATE_FREQ == 2, name
+        assert (row["max_tokens"], row["update_freq"]) == (256, gpu_bench.UPDATE_FREQ), name
         assert len(row["tokens_per_s"]["values"]) == 3, name  # the tiny size's windows
         assert row["tokens_per_s"]["min"] <= row["tokens_per_s"]["median"] \
             <= row["tokens_per_s"]["max"]
@@ -145,7 +156,13 @@ def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
         rows[gpu_bench.MULTIPATH]["host_syncs_per_update"] == \
         rows[gpu_bench.ANCHOR]["host_syncs_per_update"]
     table = [line for line in report.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| row | dtype | tokens/s median [min-max] | vs anchor | MFU |")
+    assert table[0].startswith("| row | dtype | micro-batch x update-freq | tokens/s median "
+                               "[min-max] | vs anchor | MFU |")
+    assert gpu_bench.MFU_NOTE in report
+    one_card = gpu_bench.BASE + gpu_bench.ONE_CARD
+    assert f"| {one_card} | fp32 | 1,024 x 1 | " in report
+    assert f"| {one_card} tokens/s vs the anchor | " in report and "| >= 3.0 |" in report
+    assert f"| {one_card}: MFU | " in report
     assert f"| {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP}, training tokens/s |" in report
     assert f"| kernel launches per update, {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP} |" in report
     assert "| row | process_start | build | flops | first_update | warmup | timed_windows |" \
@@ -155,7 +172,7 @@ def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
     assert "kernel_launches_per_update" not in compiled and "host_syncs_per_update" not in compiled
     assert compiled["counters"] == gpu_bench.COUNTERS_SKIPPED
     line = next(l for l in report.splitlines() if l.startswith(f"| {gpu_bench.BASE}, --compile"))
-    assert line.split(" | ")[7:9] == ["n/a", "n/a"]
+    assert line.split(" | ")[8:10] == ["n/a", "n/a"]
 
 
 def test_a_compiled_function_runs_eagerly_under_the_kernel_counter():
@@ -216,3 +233,47 @@ def test_proxies_count_kernels_and_syncs_of_a_whole_update(tmp_path, monkeypatch
     assert "| 7. host ms per update at the host's floor, multi-path L x 4 vs deep 4L |" in report
     assert "host floor ms per update | vs stock |" in report
     assert "stock prenorm L at d 8: " in report and torch.get_num_threads() == threads
+
+
+class FakeCudaEnvironment:
+    total_memory_in_GB = 141.0
+
+
+def test_a_rows_peak_is_not_reset_inside_the_update(monkeypatch):
+    """fairseq's Trainer.train_step reads and resets CUDA's peak-memory counter after every update
+    while it keeps a cuda_env, so a peak read over timed updates held only what outlives an
+    update (993 MiB for the base model on an H200), not its activations. A row's trainer leaves
+    the counter alone. Real fairseq trainers on the CPU, left by their constructor as on a GPU
+    (``cuda``, a ``cuda_env``), with a fake counter: fairseq's own trainer resets it once per
+    update, a row's trainer never."""
+    from fairseq import utils
+    from fairseq.trainer import Trainer
+
+    from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
+    from multipath_nmt.benchmark.systems import build_trainer_from_argv
+
+    init = Trainer.__init__
+
+    def init_as_on_a_gpu(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.cuda, self.cuda_env = True, FakeCudaEnvironment()
+
+    resets = []
+    monkeypatch.setattr(Trainer, "__init__", init_as_on_a_gpu)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: resets.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2 ** 30)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(utils, "move_to_cuda", lambda sample, device=None: sample)
+    size = gpu_bench.SIZES["tiny"]
+    with fake_data_dir(size["vocab"]) as data:
+        spec = {"argv": gpu_bench.anchor_argv(data, size, "cpu")}
+        for build, expected in ((lambda: build_trainer_from_argv(spec["argv"]), ["reset"] * 2),
+                                (lambda: gpu_bench.build_row_trainer(spec), [])):
+            trainer, task = build()
+            batches = padded_batches(task, trainer.model, size["max_tokens"], 2,
+                                     size["mean_length"])
+            resets.clear()
+            for batch in batches:
+                trainer.train_step([batch])
+            assert resets == expected

@@ -39,9 +39,11 @@ import time
 
 import torch
 
-from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
+from multipath_nmt import recipe
+from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches, synthetic_batch
 from multipath_nmt.benchmark.flops import matmul_peak_flops, training_flops_per_token
 from multipath_nmt.benchmark.gpu_check_setup import check_command, model_flags
+from multipath_nmt.benchmark.memory import without_peak_resets
 from multipath_nmt.benchmark.micro_batch import update_profile
 from multipath_nmt.benchmark.report import environment
 from multipath_nmt.benchmark.systems import System, build_trainer_from_argv, systems_for
@@ -53,12 +55,14 @@ SIZES = {
     "gpu": dict(dim=512, ffn=2048, heads=8, vocab=32000, base_layers=6, decoder_layers=6,
                 max_tokens=4096, mean_length=28, batches=16, warmup_updates=4, windows=4,
                 window_seconds=0.8, min_window_updates=3, beam_batches=6, beam_windows=3,
-                matmul_n=8192, budget_s=300, row_timeout_s=120),
+                matmul_n=8192, budget_s=300, row_timeout_s=120, card_update_tokens=None,
+                card_mib=None),
     # the same code on the CPU in seconds: the report's form (tests)
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
                  max_tokens=256, mean_length=12, batches=4, warmup_updates=1, windows=3,
                  window_seconds=0.0, min_window_updates=1, beam_batches=2, beam_windows=3,
-                 matmul_n=256, budget_s=600, row_timeout_s=300),
+                 matmul_n=256, budget_s=600, row_timeout_s=300, card_update_tokens=1024,
+                 card_mib=4096),
 }
 UPDATE_FREQ = 2
 ANCHOR = "anchor: fairseq transformer 6+6, --fp16, adam"
@@ -66,6 +70,11 @@ BASE = "transformer 6+6"
 DEEP = "deep 24+6"
 MULTIPATH = "multi-path 6x4+6"
 COMPILED = ", --compile-layers"
+# train.sh's micro-batch for one card of the GPU measured (the anchor: the base model's)
+ONE_CARD = ", one-card micro-batch"
+MFU_NOTE = ("MFU counts the FLOPs of non-padding tokens only: the FLOPs per token of a batch "
+            "without padding (every sentence of the mean length) x the non-padding target "
+            "tokens trained per second, over the matrix-multiply rate measured in the run.")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COUNTERS_SKIPPED = ("not counted: the dispatch-mode counters see a compiled layer's eager ops, "
                     "not its compiled kernels")
@@ -75,7 +84,8 @@ def _bench_systems(size):
     """The line-up's systems at this size, by the names of this benchmark's rows."""
     L = size["base_layers"]
     by_name = {s.name: s for s in systems_for(size)}
-    deep = System(DEEP.replace("24", str(4 * L)), "transformer_prenorm_wmt_en_de",
+    # train.sh's Deep24 arch (its recipe: 65,536 tokens per update), 4 L encoder layers
+    deep = System(DEEP.replace("24", str(4 * L)), "transformer_deep24_wmt_en_de",
                   [f"--encoder-layers={4 * L}"], group="baselines")
     return {
         BASE: by_name["stock prenorm L"],
@@ -88,10 +98,12 @@ def _bench_systems(size):
     }
 
 
-def anchor_argv(data_dir, size, device):
+def anchor_argv(data_dir, size, device, max_tokens=None, update_freq=UPDATE_FREQ):
     """Stock fairseq's command for the base pre-norm Transformer: its own ``transformer`` arch,
     ``--fp16`` (fairseq's FP16Optimizer) and ``--optimizer adam``, the same model size, dropout,
-    batch and loss as train.sh's base row. On the CPU, where fairseq's fp16 cannot run, fp32."""
+    batch and loss as train.sh's base row (``max_tokens`` x ``update_freq``, default the size's
+    micro-batch x 2). On the CPU, where fairseq's fp16 cannot run, fp32."""
+    max_tokens = size["max_tokens"] if max_tokens is None else max_tokens
     return [
         data_dir, "-s", "src", "-t", "tgt",
         "--arch", "transformer_wmt_en_de", "--encoder-normalize-before",
@@ -102,7 +114,7 @@ def anchor_argv(data_dir, size, device):
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "0.001",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-tokens", str(size["max_tokens"]), "--update-freq", str(UPDATE_FREQ),
+        "--max-tokens", str(max_tokens), "--update-freq", str(update_freq),
         "--max-update", "100000", "--seed", "1", "--no-progress-bar",
         *(["--fp16"] if device == "cuda" else ["--cpu"]),
     ]
@@ -110,30 +122,74 @@ def anchor_argv(data_dir, size, device):
 
 def row_names(size):
     """The rows of :func:`rows`, in their order, without building their commands."""
-    return [ANCHOR, *_bench_systems(size), BASE + COMPILED, MULTIPATH + COMPILED]
+    systems = list(_bench_systems(size))
+    card = [name + ONE_CARD for name in (BASE, DEEP, MULTIPATH, ANCHOR)]
+    return [ANCHOR, *systems[:3], *card, BASE + COMPILED, MULTIPATH + COMPILED, *systems[3:]]
+
+
+def one_card_plan(data_dir, size, system, device):
+    """train.sh's batch for one card (``recipe.batch_plan`` under the micro-batch that
+    ``recipe.memory_model`` sizes for the card's memory: the GPU's, or the size's ``card_mib``
+    on the CPU) and the memory model's estimate of the row's peak MiB. The tokens per update
+    are the recipe's, or the size's ``card_update_tokens``."""
+    from pathlib import Path
+
+    from multipath_nmt.recipe import memory_model
+
+    flags = model_flags(size, system)
+    card_mib = memory_model.gpu_memory_mib() if device == "cuda" else size["card_mib"]
+    dictionaries = recipe.dictionary_files(Path(data_dir), "src", "tgt")
+    cap, _ = memory_model.planned_max_tokens(system.arch, dictionaries, True, flags, card_mib)
+    plan = recipe.batch_plan(recipe.recipe_for_arch(system.arch), 1, cap,
+                             batch_tokens=size["card_update_tokens"])
+    estimate = memory_model.estimate(system.arch, dictionaries, True, flags)
+    return plan, estimate
 
 
 def rows(data_dir, size, device, precision, compile_backend="inductor"):
     """[(name, spec)]: each row's fairseq-train command line (``argv``, what fairseq's parser
-    takes), environment, compute dtype and what is measured, in the order they run."""
-    gpus = int(device == "cuda")
+    takes), environment, compute dtype and what is measured, in the order they run: the anchor,
+    train.sh's base, Deep24 and multi-path 6 x 4 at the size's micro-batch (4,096 tokens, 2 per
+    update), then at train.sh's micro-batch for one card with the recipe's tokens per update,
+    the anchor at the base model's, the compiled rows, the routed families."""
     systems = _bench_systems(size)
 
     def train_sh(system, extra=()):
         command = check_command(data_dir, data_dir, size_for_check(size), system, precision,
-                                gpus, extra=list(extra), updates=100000)
+                                int(device == "cuda"), extra=list(extra), updates=100000)
         return command.argv[3:]  # after "python -m fairseq_cli.train"
 
+    anchor_dtype = "fp16" if device == "cuda" else "fp32"
+    plans = {name: one_card_plan(data_dir, size, systems[name], device)
+             for name in (BASE, DEEP, MULTIPATH)}
+
+    def planned(name, max_tokens):
+        return plans[name][1].peak_mib(max_tokens)
+
     out = [(ANCHOR, dict(argv=anchor_argv(data_dir, size, device),
-                         env={"MULTIPATH_NMT_PATCHES": "off"},
-                         dtype="fp16" if device == "cuda" else "fp32", beam=False))]
-    for name, system in systems.items():
-        out.append((name, dict(argv=train_sh(system), env={}, dtype=precision,
-                               beam=name in (BASE, DEEP, MULTIPATH))))
+                         env={"MULTIPATH_NMT_PATCHES": "off"}, dtype=anchor_dtype, beam=False,
+                         planned_peak_mib=planned(BASE, size["max_tokens"])))]
+    for name in (BASE, DEEP, MULTIPATH):
+        out.append((name, dict(argv=train_sh(systems[name]), env={}, dtype=precision, beam=True,
+                               planned_peak_mib=planned(name, size["max_tokens"]))))
+    for name in (BASE, DEEP, MULTIPATH):
+        plan = plans[name][0]
+        out.append((name + ONE_CARD, dict(
+            argv=train_sh(systems[name], ["--max-tokens", str(plan.max_tokens),
+                                          "--batch-tokens", str(plan.global_batch)]),
+            env={}, dtype=precision, beam=False, planned_peak_mib=planned(name, plan.max_tokens))))
+    base_plan = plans[BASE][0]
+    out.append((ANCHOR + ONE_CARD, dict(
+        argv=anchor_argv(data_dir, size, device, base_plan.max_tokens, base_plan.update_freq),
+        env={"MULTIPATH_NMT_PATCHES": "off"}, dtype=anchor_dtype, beam=False,
+        planned_peak_mib=planned(BASE, base_plan.max_tokens))))
     for name in (BASE, MULTIPATH):
         out.append((name + COMPILED, dict(
             argv=train_sh(systems[name], ["--compile-layers", compile_backend]), env={},
             dtype=precision, beam=False, compiled=True)))
+    for name in list(systems)[3:]:
+        out.append((name, dict(argv=train_sh(systems[name]), env={}, dtype=precision,
+                               beam=False)))
     return out
 
 
@@ -143,6 +199,13 @@ def size_for_check(size):
 
 
 # --- one row, in its own process ---------------------------------------------------------------
+
+def build_row_trainer(spec):
+    """The Trainer and task of a row's command, with CUDA's peak counter kept over the update
+    (:func:`multipath_nmt.benchmark.memory.without_peak_resets`)."""
+    trainer, task = build_trainer_from_argv(spec["argv"])
+    return without_peak_resets(trainer), task
+
 
 def measure_row(spec, size, device):
     """Everything measured for one row (see the module docstring); runs in the row's process.
@@ -156,10 +219,12 @@ def measure_row(spec, size, device):
         phases[name] = now - clock[0]
         clock[0] = now
 
-    trainer, task = build_trainer_from_argv(spec["argv"])
+    trainer, task = build_row_trainer(spec)
     update_freq = trainer.cfg.optimization.update_freq[0]
-    samples = padded_batches(task, trainer.model, trainer.cfg.dataset.max_tokens,
-                             size["batches"], size["mean_length"], seed=1)
+    max_tokens = trainer.cfg.dataset.max_tokens
+    # about as many tokens as the size's batches of max_tokens, in at least 4 batch shapes
+    count = max(4, update_freq, size["batches"] * size["max_tokens"] // max_tokens)
+    samples = padded_batches(task, trainer.model, max_tokens, count, size["mean_length"], seed=1)
     cycle = itertools.cycle(samples)
     tokens = [0]
     phase("build")
@@ -169,8 +234,10 @@ def measure_row(spec, size, device):
         tokens[0] += sum(b["ntokens"] for b in micro_batches)
         trainer.train_step(micro_batches)
 
-    flops = (sum(training_flops_per_token(trainer, s) * s["ntokens"] for s in samples[:4])
-             / sum(s["ntokens"] for s in samples[:4]))
+    # the FLOPs of a non-padding token: a batch of mean-length sentences, without padding
+    unpadded = synthetic_batch(dict(batch=max(1, max_tokens // size["mean_length"]),
+                                    length=size["mean_length"]), len(task.source_dictionary))
+    flops = training_flops_per_token(trainer, unpadded)
     phase("flops")
     update()  # the first update builds the optimizer state, and compiles under --compile-layers
     phase("first_update")
@@ -190,7 +257,8 @@ def measure_row(spec, size, device):
         tokens[0] = 0
         [seconds] = time_update_windows(update, 1, per_window, device)
         rates.append(tokens[0] / seconds)
-    row = dict(update_freq=update_freq, max_tokens=trainer.cfg.dataset.max_tokens,
+    row = dict(update_freq=update_freq, max_tokens=max_tokens,
+               planned_peak_mib=spec.get("planned_peak_mib"),
                params=sum(p.numel() for p in trainer.model.parameters()),
                train_flops_per_token=flops, first_update_s=phases["first_update"],
                updates_per_window=per_window, tokens_per_s=summary(rates))
@@ -355,7 +423,8 @@ def _ratio(rows_, name, other, key="tokens_per_s"):
 
 
 def targets(result):
-    """Issue 47's targets, as ratios measured in this run: (text, value, needed, met)."""
+    """The targets of issues 56 and 47, as ratios measured in this run: (text, value, needed,
+    met)."""
     r = result["rows"]
     out = []
 
@@ -364,7 +433,24 @@ def targets(result):
             out.append((text, value, (">=" if higher_is_better else "<=") + f" {needed}",
                         value >= needed if higher_is_better else value <= needed))
 
+    # issue 56: train.sh's one-card micro-batch against stock fairseq as its users run it
+    target(f"{BASE + ONE_CARD} tokens/s vs the anchor", _ratio(r, BASE + ONE_CARD, ANCHOR), 3.0)
+    for name in (BASE + ONE_CARD, MULTIPATH + ONE_CARD):
+        if "mfu" in r.get(name, {}):
+            target(f"{name}: MFU", r[name]["mfu"], 0.2)
+    target(f"{MULTIPATH + ONE_CARD} vs {DEEP + ONE_CARD}, training tokens/s",
+           _ratio(r, MULTIPATH + ONE_CARD, DEEP + ONE_CARD), 1.0)
     target(f"{BASE} (train.sh) tokens/s vs the anchor", _ratio(r, BASE, ANCHOR), 1.0)
+    target(f"{ANCHOR + ONE_CARD} tokens/s vs the anchor", _ratio(r, ANCHOR + ONE_CARD, ANCHOR),
+           1.0)
+    # the memory model's margin (recipe/memory_model.py): a measured peak within 2x of the
+    # estimate, and above half of it (a peak without the activations would be far below)
+    for name, row in r.items():
+        if row.get("peak_memory_mib") and row.get("planned_peak_mib"):
+            share = row["peak_memory_mib"] / row["planned_peak_mib"]
+            target(f"{name}: peak MiB / the memory model's estimate", share, 2.0,
+                   higher_is_better=False)
+            target(f"{name}: peak MiB / the memory model's estimate", share, 0.5)
     target(f"{MULTIPATH} vs {DEEP}, training tokens/s", _ratio(r, MULTIPATH, DEEP), 1.0)
     target(f"{MULTIPATH} vs {DEEP}, beam sentences/s",
            _ratio(r, MULTIPATH, DEEP, "beam_sentences_per_s"), 0.95)
@@ -383,7 +469,8 @@ def targets(result):
         # fairseq reads whether a batch has padding once per encoder layer: Deep24 has its
         # own count, every other row has the base model's 6 layers
         for name, row in r.items():
-            if name not in (ANCHOR, BASE, DEEP) and "host_syncs_per_update" in row:
+            if not name.startswith((ANCHOR, BASE, DEEP)) and ONE_CARD not in name \
+                    and "host_syncs_per_update" in row:
                 target(f"host syncs per update, {name}, more than {BASE}'s {base_syncs}",
                        row["host_syncs_per_update"] - base_syncs, 0, higher_is_better=False)
     return out
@@ -406,30 +493,38 @@ def markdown_report(result):
         f"Device: {env['device']}" + (f" (driver {env['driver']}, CUDA {env['cuda']}, cuDNN "
                                       f"{env['cudnn']})" if result["device"] == "cuda" else "")
         + f"; torch {env['torch']}, fairseq {env['fairseq']}, Python {env['python']}; commit "
-        f"{env['commit']}; size `{result['size']}` (d {result['shape']['dim']}, "
+        f"{env['commit']}; size `{result['size']}` (d {result['shape']['dim']}; "
         f"{result['shape']['max_tokens']}-token micro-batches, {result['update_freq']} per "
-        f"update); train.sh precision {result['precision']}; matrix-multiply rate measured in "
-        f"this run ({result['shape']['matmul_n']}^3): {peaks}. {result['seconds']:.0f} s.", "",
-        "| row | dtype | tokens/s median [min-max] | vs anchor | MFU | peak MiB | "
-        "ms per update: fwd+bwd + update | host syncs / update | kernel launches / update | "
-        "beam sent/s | first update s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"update except in the one-card rows); train.sh precision {result['precision']}; "
+        f"matrix-multiply rate measured in this run ({result['shape']['matmul_n']}^3): {peaks}. "
+        f"{result['seconds']:.0f} s.", "",
+        "| row | dtype | micro-batch x update-freq | tokens/s median [min-max] | vs anchor | MFU "
+        "| peak MiB (model's estimate) | ms per update: fwd+bwd + update | host syncs / update | "
+        "kernel launches / update | beam sent/s | first update s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in result["rows"].items():
         if "error" in row:
-            lines.append(f"| {name} | {row['dtype']} | {row['error']} | | | | | | | | |")
+            lines.append(f"| {name} | {row['dtype']} | {row['error']} | | | | | | | | | |")
             continue
         rate = row["tokens_per_s"]
         versus = f"{rate['median'] / anchor['median']:.2f}x" if anchor else ""
         memory = f"{row['peak_memory_mib']:,.0f}" if "peak_memory_mib" in row else ""
+        if row.get("planned_peak_mib"):
+            memory += f" ({row['planned_peak_mib']:,.0f})"
         beam = _span(row["beam_sentences_per_s"], ",.1f") if "beam_sentences_per_s" in row else ""
         lines.append(
-            f"| {name} | {row['dtype']} | {_span(rate)} | {versus} | {100 * row['mfu']:.1f}% "
+            f"| {name} | {row['dtype']} | {row['max_tokens']:,} x {row['update_freq']} | "
+            f"{_span(rate)} | {versus} | {100 * row['mfu']:.1f}% "
             f"| {memory} | {row['forward_backward_ms']:.1f} + {row['update_ms']:.1f} | "
-            f"{'' if name == ANCHOR else row.get('host_syncs_per_update', 'n/a')} | "
+            f"{'' if name.startswith(ANCHOR) else row.get('host_syncs_per_update', 'n/a')} | "
             f"{_count(row.get('kernel_launches_per_update'))} | {beam} | "
             f"{row['first_update_s']:.1f} |")
-    lines += ["", "The anchor's host syncs are left out: its process counted none of the padding "
+    lines += ["", MFU_NOTE, "Peak MiB: CUDA's peak allocation over the timed windows, which "
+              "fairseq's per-update reset no longer empties (activations included); in brackets "
+              "the estimate of train.sh's memory model (multipath_nmt/recipe/memory_model.py) "
+              "for that micro-batch.",
+              "The anchor's host syncs are left out: its process counted none of the padding "
               "reads of fairseq's encoder that every row makes (it undercounts there; the raw "
               "figure is in the JSON). The rows are compared with the base model's instead.",
               "The compiled rows' host syncs and kernel launches are n/a: torch.compile runs "

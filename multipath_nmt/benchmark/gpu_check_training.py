@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from multipath_nmt.benchmark.timing import elapsed_seconds
+from multipath_nmt.benchmark.memory import without_peak_resets
 
 # Mixed precision passes when its last loss is within this share of the loss fall that fp32
 # reached over the same updates, from the same weights, on the same batches. A working autocast
@@ -116,7 +117,7 @@ def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=N
     for index in range(warmup_steps):
         step(index)
     if device == "cuda":
-        trainer.cuda_env = None  # else fairseq resets the peak-memory counter at every step
+        without_peak_resets(trainer)
         torch.cuda.reset_peak_memory_stats()
     counted = range(warmup_steps, warmup_steps + sync_steps)
     syncs = count_syncs() if count_syncs else contextlib.nullcontext()

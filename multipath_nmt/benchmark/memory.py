@@ -29,6 +29,16 @@ def keep_freed_memory():
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def without_peak_resets(trainer):
+    """``trainer`` with CUDA's peak-memory counter left alone: fairseq's ``Trainer.train_step``
+    reads and resets it after every update while it keeps a ``cuda_env`` (for its ``gb_free``
+    log line), so a peak read after a few updates held only what outlives an update (weights,
+    gradients, optimizer state: 993 MiB for the base model, ``docs/bench/gpu-bench-h200.json``
+    at 57ea5f2), never the activations."""
+    trainer.cuda_env = None
+    return trainer
+
+
 def peak_memory_of_step(flags, size, device, fp16, loop_reference=False):
     """Peak memory of one training step, measured in a fresh process (CPU: peak RSS, reset via
     /proc/self/clear_refs right before the step; CUDA: max_memory_allocated). The process is
@@ -56,7 +66,7 @@ def measure_peak_memory(spec):
         sample = synthetic_batch(size, len(task.source_dictionary))
         trainer.train_step([sample])  # allocate optimizer state and caches
         if device == "cuda":
-            trainer.cuda_env = None  # else fairseq resets the peak counter inside train_step
+            without_peak_resets(trainer)
             torch.cuda.reset_peak_memory_stats()
         else:
             with open("/proc/self/clear_refs", "w") as f:
