@@ -347,6 +347,12 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
     run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", RUN_UPDATES + 1))
     assert load_model_state(save / "checkpoint_last.pt")[1] == RUN_UPDATES + 1
     assert not (save / LOCK).exists()
+    # the resumed run's save records the dictionaries' symbols as the first run's did
+    from fairseq.data import Dictionary
+
+    symbols = Dictionary.load(str(toy_data_bin / "dict.en.txt")).symbols
+    resumed = torch.load(save / "checkpoint_last.pt", weights_only=False)[checkpoints.DICTIONARIES]
+    assert resumed == {"source": symbols, "target": symbols}
 
 
 def _digest(path):

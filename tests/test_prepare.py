@@ -547,9 +547,9 @@ def test_two_runs_on_one_work_dir_take_turns(small_corpus, tmp_path):
     first.send_signal(signal.SIGCONT)
     resume.cancel()
     second_log += second.stdout.readlines()
+    statuses = second.wait(), first.wait(timeout=300)  # both waited for before any assertion
     first_log = first.stdout.read()
-    assert first.wait() == 0, first_log
-    assert second.wait() == 0, "".join(second_log)
+    assert statuses == (0, 0), (first_log, "".join(second_log))
     assert second_log[0].startswith(f"[lock] {work} is in use by pid {first.pid} on {socket.gethostname()}, "
                                     "started "), second_log
     assert second_log[0].endswith("; waiting for it to finish\n")
