@@ -18,6 +18,7 @@ both overwrite the same files and both exit 0.
 Switched off with ``MULTIPATH_NMT_PATCHES=-save_dirs``. Proved by
 tests/test_checkpoints.py::test_a_second_run_on_a_live_save_dir_is_refused.
 """
+import argparse
 import atexit
 import functools
 import os
@@ -39,7 +40,9 @@ def _lock_of(cfg):
     from fairseq.distributed import utils as distributed_utils
 
     save_dir = cfg.checkpoint.save_dir
-    if cfg.checkpoint.no_save or "://" in save_dir or not distributed_utils.is_master(cfg.distributed_training):
+    if cfg.checkpoint.no_save or "://" in save_dir:
+        return None
+    if not distributed_utils.is_master(cfg.distributed_training):
         return None
     return FolderLock(os.path.join(save_dir, LOCK))
 
@@ -47,8 +50,6 @@ def _lock_of(cfg):
 def _holding_the_save_dir(main):
     @functools.wraps(main)
     def main_holding_the_save_dir(cfg, *args, **kwargs):
-        import argparse
-
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
         config = convert_namespace_to_omegaconf(cfg) if isinstance(cfg, argparse.Namespace) else cfg
@@ -58,8 +59,9 @@ def _holding_the_save_dir(main):
         try:
             lock.acquire()
         except FolderInUseError as err:
-            raise SaveDirInUseError(f"--save-dir {err}: another training run writes its checkpoints "
-                                    "there; wait for it to end, or give this run another --save-dir") from None
+            raise SaveDirInUseError(f"--save-dir {err}: another training run writes its "
+                                    "checkpoints there; wait for it to end, or give this run "
+                                    "another --save-dir") from None
         # a distributed rank leaves with os._exit after the atexit functions (preemption)
         atexit.register(lock.release)
         try:
