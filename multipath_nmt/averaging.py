@@ -5,7 +5,7 @@ Differences, all deliberate: checkpoints load through the plug-in's reader
 with the plug-in's allow-list, one line on a missing, damaged or foreign file), the mean of each
 floating-point tensor is accumulated in float64 and cast back to the tensor's own dtype (so it is
 the float64 mean rounded once), non-float tensors must be identical in every input, inputs of a
-different architecture, key set or shape are refused, and the output is written atomically
+different architecture, key set, shape or recorded dictionaries are refused, and the output is written atomically
 (a failed write leaves no file behind).
 Everything besides ``model`` (config, task state, ...) comes from the first input, which with
 ``--num-*-checkpoints`` is the newest one, as in fairseq.
@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from multipath_nmt.checkpoints import CheckpointError, read_checkpoint, write_atomically
+from multipath_nmt.checkpoints import DICTIONARIES, CheckpointError, read_checkpoint, write_atomically
 
 
 class AveragingError(ValueError):
@@ -98,6 +98,10 @@ def average_checkpoints(inputs: List[str]) -> dict:
         if _arch(state) != _arch(first):
             raise AveragingError(f"{path} is a '{_arch(state)}' model but {first_path} is a "
                                  f"'{_arch(first)}' model; average checkpoints of one run only")
+        if None not in (state.get(DICTIONARIES), first.get(DICTIONARIES)) and \
+                state[DICTIONARIES] != first[DICTIONARIES]:
+            raise AveragingError(f"{path} was trained with other dictionaries than {first_path}; "
+                                 "average checkpoints of one run only")
         params = state["model"]
         if list(params) != list(reference):
             only_here = sorted(set(params) - set(reference))[:5]

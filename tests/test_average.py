@@ -9,6 +9,7 @@ import torch
 from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq, script_env
 
 from multipath_nmt import averaging
+from multipath_nmt.checkpoints import DICTIONARIES
 from multipath_nmt.cli.average import average, build_parser
 from multipath_nmt.scoring import multi_bleu_files, score_generate_output
 from fairseq import checkpoint_utils
@@ -51,6 +52,8 @@ def test_average_is_the_exact_mean(run_dir, tmp_path):
     first = checkpoint_utils.load_checkpoint_to_cpu(str(inputs[0]))
     assert averaged["cfg"]["model"].arch == "transformer_prenorm_wmt_en_de"
     assert averaged["extra_state"]["train_iterator"] == first["extra_state"]["train_iterator"]
+    # the dictionaries' symbols too, for fairseq-generate's check of the data-bin
+    assert averaged[DICTIONARIES] == first[DICTIONARIES] and len(first[DICTIONARIES]["source"]) > 4
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -111,6 +114,11 @@ def _drop_key(state):
     del state["model"]["encoder.layers.0.fc1.bias"]
 
 
+def _other_symbols(state):
+    symbols = state[DICTIONARIES]["target"] = list(state[DICTIONARIES]["target"])
+    symbols[4], symbols[5] = symbols[5], symbols[4]
+
+
 def _int_buffer(value):
     def edit(state):
         state["model"] = collections.OrderedDict(state["model"], **{"encoder.counter": torch.tensor([value])})
@@ -121,6 +129,8 @@ def _int_buffer(value):
     (_set_arch, "is a 'transformer_deep12_wmt_en_de' model but .* is a 'transformer_prenorm_wmt_en_de'"),
     (_reshape, r"encoder.layers.0.fc1.weight is torch.float32 \(3, 3\) in .*edited.pt but torch.float32 \(64, 32\)"),
     (_drop_key, r"different parameters \(only in the former: \[\], only in the latter: \['encoder.layers.0.fc1.bias'\]\)"),
+    (_other_symbols, r"edited.pt was trained with other dictionaries than .*ckpt/checkpoint2.pt; average "
+                     "checkpoints of one run only"),
 ])
 def test_incompatible_checkpoints_refused(run_dir, tmp_path, edit, message):
     edited = _edited_copy(run_dir, tmp_path, edit)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_env, run_cli, run_command, run_fairseq
+from conftest import clean_env, run_cli, run_command, run_fairseq, start_command
 from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
 
 from multipath_nmt import checkpoints
@@ -263,6 +263,96 @@ def test_mismatched_dictionary_generate_and_resume(run_dir, toy_data_bin, small_
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith(says.replace(str(checkpoint), str(save / "checkpoint_last.pt"))
                                                          + " (and dictionaries) the model was trained on")
+
+
+def _with_two_symbols_swapped(data_bin, folder):
+    """A copy of ``data_bin`` whose dictionaries have the words of their first two entries swapped
+    (counts kept, so still sorted): as many entries as the original, other symbols."""
+    shutil.copytree(data_bin, folder)
+    for lang in ("en", "de"):
+        path = folder / f"dict.{lang}.txt"
+        first, second, *rest = path.read_text(encoding="utf-8").splitlines(True)
+        (word_a, count_a), (word_b, count_b) = first.split(" ", 1), second.split(" ", 1)
+        path.write_text("".join([f"{word_b} {count_a}", f"{word_a} {count_b}", *rest]), encoding="utf-8")
+    return word_a, word_b
+
+
+@pytest.mark.slow
+def test_same_size_dictionary_with_other_symbols_generate_and_resume(run_dir, toy_data_bin, tmp_path):
+    """The checkpoint records its dictionaries' symbols: a data-bin whose dictionaries have as
+    many entries but other symbols is refused in one line naming the first token id that differs;
+    a checkpoint without them (stock fairseq's) is checked by size, with one warning."""
+    other = tmp_path / "other-bin"
+    word_a, word_b = _with_two_symbols_swapped(toy_data_bin, other)
+    rows = _dictionary_sizes(toy_data_bin)
+    checkpoint = run_dir / "checkpoint_last.pt"
+    says = (f"its source dictionary is not {other / 'dict.en.txt'}, although both have {rows} entries: "
+            f"token id 4 is {word_a!r} in the checkpoint but {word_b!r} in the data-bin's; use the "
+            "data-bin (and dictionaries) the model was trained on")
+    generate = run_fairseq("generate", other, "--path", checkpoint, "--cpu", check=False)
+    assert generate.returncode == 1 and "Traceback" not in generate.stderr
+    assert generate.stderr.strip().splitlines()[-1] == f"generate.py: error: {checkpoint}: {says}"
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(run_dir, save)
+    before = {p.name: _digest(p) for p in save.iterdir()}
+    proc = run_command(train_command(other, save, "baseline", *SMALL_BATCHES, "--max-update", RUN_UPDATES + 1),
+                       timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(f"error: {save / 'checkpoint_last.pt'}: {says}")
+    assert {p.name: _digest(p) for p in save.iterdir()} == before
+
+    state = torch.load(checkpoint, weights_only=False)
+    del state[checkpoints.DICTIONARIES]
+    stock = tmp_path / "stock.pt"
+    torch.save(state, stock)
+    generate = run_fairseq("generate", other, "--path", stock, "--cpu", "--quiet")
+    warning = (f"{stock} does not record its dictionaries' symbols (saved by stock fairseq or an older "
+               "multipath_nmt): the data-bin's dictionaries are checked by their size only")
+    assert (generate.stdout + generate.stderr).count(warning) == 1
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_path):
+    """A second fairseq-train on the save dir of a live run is refused before it reads or writes
+    anything, in one line naming the save dir and the holder; after the first is killed with
+    SIGKILL, the next run takes the save dir and resumes."""
+    import socket
+
+    from multipath_nmt.fairseq_patches.save_dirs import LOCK
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(run_dir, save)
+    first = start_command(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 1000))
+    try:
+        for line in first.stdout:  # it resumed and holds the save dir
+            if "num_updates=" in line:
+                break
+        os.kill(first.pid, signal.SIGSTOP)  # writes nothing while the second tries
+        before = {p.name: _digest(p) for p in save.iterdir()}
+        second = subprocess.run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update",
+                                              RUN_UPDATES + 1), capture_output=True, text=True,
+                                env=clean_env(), timeout=300)
+        assert {p.name: _digest(p) for p in save.iterdir()} == before
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert re.fullmatch(rf"train\.py: error: --save-dir {re.escape(str(save))} is in use by pid {first.pid} on "
+                        rf"{re.escape(socket.gethostname())}, started [-\d: A-Z]+ \(.*fairseq_cli/train\.py .*\): "
+                        "another training run writes its checkpoints there; wait for it to end, or give this run "
+                        "another --save-dir", second.stderr.strip().splitlines()[-1])
+    assert "num_updates=" not in second.stdout + second.stderr
+
+    run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", RUN_UPDATES + 1))
+    assert load_model_state(save / "checkpoint_last.pt")[1] == RUN_UPDATES + 1
+    assert not (save / LOCK).exists()
+    # the resumed run's save records the dictionaries' symbols as the first run's did
+    from fairseq.data import Dictionary
+
+    symbols = Dictionary.load(str(toy_data_bin / "dict.en.txt")).symbols
+    resumed = torch.load(save / "checkpoint_last.pt", weights_only=False)[checkpoints.DICTIONARIES]
+    assert resumed == {"source": symbols, "target": symbols}
 
 
 def _digest(path):

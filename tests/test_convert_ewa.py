@@ -66,6 +66,8 @@ def test_converted_checkpoint_is_a_stock_transformer(ewa_checkpoint, converted):
             assert torch.equal(stock[f"encoder.layers.{layer}.{fc}.{kind}"], experts.mean(0))
     untouched = [k for k in ewa if ".ffn." not in k]
     assert all(torch.equal(stock[k], ewa[k]) for k in untouched)
+    # folding changes no token: the dictionaries' symbols stay, for fairseq-generate's check
+    assert state["dictionaries"] == checkpoint_utils.load_checkpoint_to_cpu(str(ewa_checkpoint))["dictionaries"]
 
 
 def _rewritten(ewa_checkpoint, path, **model_changes):

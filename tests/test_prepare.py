@@ -8,11 +8,15 @@ import hashlib
 import http.server
 import io
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tarfile
 import threading
 
 import pytest
-from conftest import ROOT, run_cli, script_env
+from conftest import ROOT, clean_env, run_cli, script_env, start_command
 from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
@@ -23,6 +27,7 @@ from multipath_nmt.pipeline.prepare import (
     PrepareError, clean_pair, compare_with_table1, extract_members, fetch, mirror_url, moses_tokenize,
     prepare_corpus, prepare_wmt, sgm_to_text,
 )
+from multipath_nmt.pipeline.stages import LOCK
 from multipath_nmt.pipeline.synthetic import generate
 from multipath_nmt.pipeline.wmt import ARCHIVES, PAIRS, TASKS, Archive
 
@@ -517,6 +522,58 @@ def test_interrupted_stage_restarts_and_finished_stages_are_skipped(small_corpus
         assert f"finished earlier, skipping: {work / stage}" in log
     assert f"finished earlier, skipping: {out}" in log
     assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+
+
+def test_two_runs_on_one_work_dir_take_turns(small_corpus, tmp_path):
+    """A second multipath-prepare on the work dir of a running one waits for it, saying for whom,
+    then skips the text stages the first finished (as the two WMT directions of a pair do)."""
+    work = tmp_path / "shared.work"
+
+    def command(out):
+        return [sys.executable, "-m", "multipath_nmt.cli.prepare", *corpus_argv(small_corpus, out),
+                "--work-dir", work]
+
+    # a process of its own: the preloaded interpreter of start_command runs one command at a time
+    first = subprocess.Popen(list(map(str, command(tmp_path / "a"))), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=clean_env())
+    for line in first.stdout:  # the first run holds the lock once it builds its first stage
+        if line.startswith("[raw] building"):
+            break
+    first.send_signal(signal.SIGSTOP)  # and keeps it until the second has started
+    resume = threading.Timer(60, first.send_signal, (signal.SIGCONT,))  # should the second not wait
+    resume.start()
+    second = start_command(command(tmp_path / "b"))
+    second_log = [second.stdout.readline()]
+    first.send_signal(signal.SIGCONT)
+    resume.cancel()
+    second_log += second.stdout.readlines()
+    statuses = second.wait(), first.wait(timeout=300)  # both waited for before any assertion
+    first_log = first.stdout.read()
+    assert statuses == (0, 0), (first_log, "".join(second_log))
+    assert second_log[0].startswith(f"[lock] {work} is in use by pid {first.pid} on {socket.gethostname()}, "
+                                    "started "), second_log
+    assert second_log[0].endswith("; waiting for it to finish\n")
+    second_log = "".join(second_log)
+    for stage in ("raw", "tok", "bpe", "clean"):
+        assert f"finished earlier, skipping: {work / stage}" in second_log
+    assert dataset_sizes(tmp_path / "a", "en", "de") == dataset_sizes(tmp_path / "b", "en", "de")
+    assert dataset_sizes(tmp_path / "b", "en", "de")["test"] == 30
+    assert not (work / LOCK).exists()  # a run that ends removes its lock file
+
+
+def test_parallel_files_cut_short_are_refused_not_truncated(small_corpus, tmp_path):
+    """The clean stage reads the BPE files of both languages together: one line fewer in one of
+    them (an outside hand, a disk error) stops it instead of dropping sentence pairs."""
+    out, work = tmp_path / "out", tmp_path / "out.work"
+    prepare_corpus(**corpus_args(small_corpus, out))
+    cut = work / "bpe" / "test.de"
+    cut.write_text("".join(cut.read_text(encoding="utf-8").splitlines(True)[:-1]), encoding="utf-8")
+    shutil.rmtree(work / "clean")
+    with pytest.raises(PrepareError) as refused:
+        prepare_corpus(**corpus_args(small_corpus, out))
+    assert str(refused.value).startswith(f"parallel files have different line counts: "
+                                         f"{work / 'bpe' / 'test.en'} has 30 lines but {cut} has 29; ")
+    assert not (work / "clean").exists()
 
 
 # ------------------------------------------------------------------------------ bad inputs

@@ -41,7 +41,9 @@ checkpoints       ``checkpoint_utils.load_checkpoint_to_cpu``                 on
                                                                               not proven damaged goes to fairseq unchanged)                      tests/test_fairseq_compat_suite.py::test_resume_decides_through_pathmanager_and_restores_the_iterator
                                                                                                                                                  tests/test_fairseq_compat_suite.py::test_finetune_from_model_with_a_checkpoint_last_resumes_it
                   ``Trainer.load_checkpoint``,                                a mismatched dictionary failed later on a tensor     fairseq 0.12  tests/test_checkpoints.py::test_mismatched_dictionary_generate_and_resume
-                  ``checkpoint_utils.load_model_ensemble_and_task``           shape
+                  ``checkpoint_utils.load_model_ensemble_and_task``           shape; a same-size dictionary with other                           tests/test_checkpoints.py::test_same_size_dictionary_with_other_symbols_generate_and_resume
+                                                                              symbols loaded silently
+                  ``Trainer.state_dict``                                      records the dictionaries' symbols for that check     fairseq 0.12  tests/test_checkpoints.py::test_same_size_dictionary_with_other_symbols_generate_and_resume
                   ``sys.excepthook``                                          an uncaught ``CheckpointError`` is one line, no      any           tests/test_checkpoints.py::test_console_scripts_say_one_line
                                                                               traceback
 data_bins         ``TranslationTask.setup_task``                              a missing or malformed ``dict.<lang>.txt`` was a     fairseq 0.12  tests/test_data_checks.py::test_fairseq_train_says_one_line_before_the_first_update
@@ -104,6 +106,11 @@ compile_layers    ``options.add_optimization_args``                           ``
                                                                               predates ``torch.compile``; a training flag                        tests/test_compile.py::test_compile_flag_refuses_bad_input_in_one_line
                   ``Trainer.__init__``                                        compiles the encoder and decoder layers' training    torch >= 2.1  tests/test_compile.py::test_every_family_compiles_without_graph_breaks_or_recompiles
                                                                               forward in place, after the model is built                         tests/test_compile.py::test_only_the_training_forward_is_compiled
+save_dirs         ``fairseq_cli.train.main``                                  a second run on a live ``--save-dir`` resumed from   fairseq 0.12  tests/test_checkpoints.py::test_a_second_run_on_a_live_save_dir_is_refused
+                                                                              its ``checkpoint_last.pt`` and both overwrote it:
+                                                                              rank 0 now holds a lock on the save dir
+                  ``sys.excepthook``                                          an uncaught ``SaveDirInUseError`` is one line, no    any           tests/test_checkpoints.py::test_a_second_run_on_a_live_save_dir_is_refused
+                                                                              traceback
 ================  ==========================================================  ===================================================  ============  =================================================================================================
 
 Order: the modules are installed in the order of :data:`MODULES`. ``Trainer.__init__`` is wrapped
@@ -111,8 +118,8 @@ by numerics, then mixed_precision, then compile_layers (outermost: it compiles t
 model the others' ``__init__`` has placed and cast), and ``options.parse_args_and_arch`` by
 help_flags, then mixed_precision, and ``Trainer.set_num_updates`` by mixed_precision, then
 ewa_trainer; the wrappers of each group look at different flags. ``sys.excepthook`` by
-checkpoints, then data_bins (each prints its own error class on one line and passes anything else
-on). ``Trainer.train_step`` is
+checkpoints, then data_bins, then save_dirs (each prints its own error class on one line and
+passes anything else on). ``Trainer.train_step`` is
 wrapped three times: numerics first (inner), then ewa_trainer, then preemption (outer: it only
 marks that a ``train_step`` is running, for its ``_aggregate_logging_outputs`` wrapper). Any order
 gives the same training (the EWA and preemption flags only have to be set while fairseq's
@@ -131,10 +138,10 @@ import os
 from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, compile_layers,
                                            data_bins, distributed, ewa_trainer, grad_norm,
                                            help_flags, mixed_precision, numerics, preemption,
-                                           torch_compat)
+                                           save_dirs, torch_compat)
 
 MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distributed, numerics,
-           mixed_precision, grad_norm, attention, ewa_trainer, preemption, compile_layers)
+           mixed_precision, grad_norm, attention, ewa_trainer, preemption, compile_layers, save_dirs)
 
 
 NAMES = tuple(module.__name__.rsplit(".", 1)[1] for module in MODULES)

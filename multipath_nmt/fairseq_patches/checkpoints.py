@@ -43,7 +43,10 @@
 * ``Trainer.load_checkpoint`` and ``checkpoint_utils.load_model_ensemble_and_task``: a data-bin
   whose dictionaries do not match the checkpoint's embeddings is reported with both sizes and both
   paths (:func:`multipath_nmt.checkpoints.check_dictionaries`) before fairseq fails on a tensor
-  shape.
+  shape; one of the same size whose symbols differ from those the checkpoint recorded, with the
+  first token id that differs (a checkpoint that recorded none: by size, with a warning).
+* ``Trainer.state_dict`` (what every save writes): records the task's dictionaries' symbols
+  (:data:`~multipath_nmt.checkpoints.DICTIONARIES`), for that check.
 * ``sys.excepthook``: an uncaught ``CheckpointError`` is printed as one line without a traceback
   (the process still exits with status 1).
 """
@@ -58,10 +61,10 @@ import sys
 import torch
 
 from multipath_nmt import checkpoints
-from multipath_nmt.checkpoints import (CheckpointError, asynchronous_writer, check_dictionaries,
-                                       newest_readable, peek_checkpoint, proven_damage,
-                                       read_checkpoint, save_atomically, saved_at,
-                                       write_atomically)
+from multipath_nmt.checkpoints import (DICTIONARIES, CheckpointError, asynchronous_writer,
+                                       check_dictionaries, dictionary_symbols, newest_readable,
+                                       peek_checkpoint, proven_damage, read_checkpoint,
+                                       save_atomically, saved_at, write_atomically)
 from multipath_nmt.fairseq_patches.wrapping import one_line_excepthook, wrap
 
 # The resume warnings keep the logger name users know them by (docs/troubleshooting.md).
@@ -326,6 +329,16 @@ def _resume_from_earlier(cfg, trainer, last, damage, load_checkpoint, passthroug
 
 # --- dictionaries --------------------------------------------------------------------------
 
+def _recording_dictionaries(state_dict):
+    @functools.wraps(state_dict)
+    def state_dict_with_dictionaries(self):
+        state = state_dict(self)
+        state[DICTIONARIES] = dictionary_symbols(self.task)
+        return state
+
+    return state_dict_with_dictionaries
+
+
 def _checking_trainer_dictionaries(load_checkpoint):
     @functools.wraps(load_checkpoint)
     def trainer_load_checkpoint(self, filename, *args, **kwargs):
@@ -368,6 +381,7 @@ def install():
     wrap(checkpoint_utils, "load_checkpoint", _resume_from_readable)
     wrap(checkpoint_utils, "load_model_ensemble_and_task", _checking_ensemble_dictionaries)
     wrap(Trainer, "load_checkpoint", _checking_trainer_dictionaries)
+    wrap(Trainer, "state_dict", _recording_dictionaries)
     wrap(sys, "excepthook", _one_line_errors)
     if _report_a_lost_write_error not in _atexit_registered:
         atexit.register(_report_a_lost_write_error)

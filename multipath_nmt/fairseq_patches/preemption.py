@@ -45,6 +45,7 @@ arguments, before ``main`` runs; in every process of a distributed run).
 """
 import atexit
 import functools
+import inspect
 import logging
 import os
 import signal
@@ -254,7 +255,8 @@ def _train_modules():
     for name in ("fairseq_cli.train", "__main__", "__mp_main__"):
         module = sys.modules.get(name)
         function = getattr(module, "validate_and_save", None)
-        code = getattr(function, "__code__", None)
+        # fairseq's own, under this patch's wrapper: save_dirs looks for the modules after it
+        code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
         if code is not None and code.co_filename.endswith(TRAIN_SCRIPT) and module not in found:
             found.append(module)
     return found

@@ -18,7 +18,8 @@ pair's ``<pair>.work`` so both directions share it):
 A stage is built in ``NAME.partial`` and renamed to ``NAME`` after its ``.done`` file (holding
 the stage's parameters) is written, so a finished-looking directory is always complete. A rerun
 skips stages whose ``.done`` matches, rebuilds those whose parameters changed, and throws away
-any ``.partial`` left by an interrupted run.
+any ``.partial`` left by an interrupted run. One run at a time works in a work dir: a second one
+(the other direction of a WMT pair, say) waits for the first, naming it, then skips what it built.
 
 This module runs the stages for a user's corpus (:func:`prepare_corpus`) and a WMT direction
 (:func:`prepare_wmt`) and downloads the WMT archives; the pieces sit beside it:
@@ -50,7 +51,7 @@ from multipath_nmt.pipeline.archives import (  # noqa: F401
 )
 from multipath_nmt.pipeline.stages import (  # noqa: F401
     DONE, SPLITS, PrepareError, Progress, check_languages, check_parallel, count_lines, log,
-    open_text, read_lines, run_stage, stamp_of, write_lines, write_to,
+    open_text, read_lines, run_stage, stamp_of, work_dir_locked, write_lines, write_to,
 )
 from multipath_nmt.pipeline.text import (  # noqa: F401
     CHUNK_LINES, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH, CLEAN_MIN, CLEAN_RATIO,
@@ -101,7 +102,10 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
     def clean(tmp):
         a, b = langs
         for split in SPLITS:
-            pairs = zip(read_lines(bpe / f"{split}.{a}"), read_lines(bpe / f"{split}.{b}"))
+            paths = bpe / f"{split}.{a}", bpe / f"{split}.{b}"
+            # zip() alone would cut the longer file short without a word
+            check_parallel(*paths, *map(count_lines, paths))
+            pairs = zip(*map(read_lines, paths), strict=True)
             if split == "train":  # valid and test keep every sentence: Table 1 counts the whole sets
                 pairs = filter(None, (clean_pair(x, y) for x, y in pairs))
             kept = 0
@@ -168,8 +172,9 @@ def prepare_corpus(src, tgt, train, valid, test, out, bpe_merges=32000, workers=
             check_parallel(inputs[split, src], inputs[split, tgt], *counts)
             log(f"  {split}: {counts[0]:,} sentence pairs")
 
-    raw = run_stage(work_dir / "raw", "raw", raw_params, copy_raw)
-    return process_text(raw, work_dir, out, langs, src, tgt, bpe_merges, workers, raw_params)
+    with work_dir_locked(work_dir):
+        raw = run_stage(work_dir / "raw", "raw", raw_params, copy_raw)
+        return process_text(raw, work_dir, out, langs, src, tgt, bpe_merges, workers, raw_params)
 
 
 # ------------------------------------------------------------------------------------- WMT
@@ -284,45 +289,46 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
                 (folder / archive.filename).is_file() for folder in (Path(raw_dir or downloads), downloads)):
             where = f"--raw-dir {raw_dir}" if raw_dir else "no --raw-dir given"
             raise PrepareError(f"{archive.filename} not found ({where}): {archive.manual}")
-    extract_params = {}
-    for archive_name, members in _pair_members(pair).items():
-        path = fetch(ARCHIVES[archive_name], downloads, raw_dir, mirror)
-        params = {"stage": "extract", "archive": stamp_of(path), "members": sorted(members)}
-        run_stage(extract / archive_name, f"extract {path.name}", params,
-                  lambda tmp, path=path, members=members: extract_members(path, members, tmp))
-        extract_params[archive_name] = params
+    with work_dir_locked(work_dir):
+        extract_params = {}
+        for archive_name, members in _pair_members(pair).items():
+            path = fetch(ARCHIVES[archive_name], downloads, raw_dir, mirror)
+            params = {"stage": "extract", "archive": stamp_of(path), "members": sorted(members)}
+            run_stage(extract / archive_name, f"extract {path.name}", params,
+                      lambda tmp, path=path, members=members: extract_members(path, members, tmp))
+            extract_params[archive_name] = params
 
-    raw_params = {"stage": "raw", "pair": pair.name, "extract": extract_params}
+        raw_params = {"stage": "raw", "pair": pair.name, "extract": extract_params}
 
-    def collect_raw(tmp):
-        en, xx = pair.langs
-        outputs = {(split, lang): open(tmp / f"{split}.{lang}", "w", encoding="utf-8")
-                   for split in SPLITS for lang in pair.langs}
-        try:
-            for corpus in pair.train:
-                counts = [write_to(outputs["train", lang], _corpus_lines(extract, corpus, lang))
-                          for lang in pair.langs]
-                names = [extract / corpus.archive / corpus.member.format(lang=lang) for lang in pair.langs]
-                check_parallel(*names, *counts)
-                log(f"  train += {counts[0]:,} sentence pairs from {corpus.archive}")
-            for split, sets in (("valid", pair.valid), ("test", (pair.test,))):
-                for evalset in sets:
-                    paths = [extract / evalset.archive / evalset.en, extract / evalset.archive / evalset.xx]
-                    counts = [write_to(outputs[split, lang], sgm_to_text(p)) for lang, p in zip((en, xx), paths)]
-                    check_parallel(*paths, *counts)
-                    log(f"  {split} += {counts[0]:,} sentence pairs from {evalset.en}")
-        finally:
-            for f in outputs.values():
-                f.close()
+        def collect_raw(tmp):
+            en, xx = pair.langs
+            outputs = {(split, lang): open(tmp / f"{split}.{lang}", "w", encoding="utf-8")
+                       for split in SPLITS for lang in pair.langs}
+            try:
+                for corpus in pair.train:
+                    counts = [write_to(outputs["train", lang], _corpus_lines(extract, corpus, lang))
+                              for lang in pair.langs]
+                    names = [extract / corpus.archive / corpus.member.format(lang=lang) for lang in pair.langs]
+                    check_parallel(*names, *counts)
+                    log(f"  train += {counts[0]:,} sentence pairs from {corpus.archive}")
+                for split, sets in (("valid", pair.valid), ("test", (pair.test,))):
+                    for evalset in sets:
+                        paths = [extract / evalset.archive / evalset.en, extract / evalset.archive / evalset.xx]
+                        counts = [write_to(outputs[split, lang], sgm_to_text(p)) for lang, p in zip((en, xx), paths)]
+                        check_parallel(*paths, *counts)
+                        log(f"  {split} += {counts[0]:,} sentence pairs from {evalset.en}")
+            finally:
+                for f in outputs.values():
+                    f.close()
 
-    raw = run_stage(work_dir / "raw", "raw", raw_params, collect_raw)
-    result = process_text(raw, work_dir, out, pair.langs, src, tgt, bpe_merges, workers, raw_params)
-    counts = {split: (count_lines(raw / f"{split}.en"), count_lines(work_dir / "clean" / f"{split}.en"))
-              for split in SPLITS}
-    report, warnings = compare_with_table1(pair, counts)
-    log(f"{task} sizes (sentence pairs): {report}")
-    if pair.table1.variant:
-        log(f"{task} training size: {pair.table1.variant}")
-    for warning in warnings:
-        log(f"warning: {warning}")
-    return result
+        raw = run_stage(work_dir / "raw", "raw", raw_params, collect_raw)
+        result = process_text(raw, work_dir, out, pair.langs, src, tgt, bpe_merges, workers, raw_params)
+        counts = {split: (count_lines(raw / f"{split}.en"), count_lines(work_dir / "clean" / f"{split}.en"))
+                  for split in SPLITS}
+        report, warnings = compare_with_table1(pair, counts)
+        log(f"{task} sizes (sentence pairs): {report}")
+        if pair.table1.variant:
+            log(f"{task} training size: {pair.table1.variant}")
+        for warning in warnings:
+            log(f"warning: {warning}")
+        return result

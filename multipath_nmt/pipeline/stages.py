@@ -1,8 +1,9 @@
 """The stage machinery of ``multipath-prepare`` (see :mod:`multipath_nmt.pipeline.prepare`): a
 stage is a directory built in ``NAME.partial`` and renamed after its ``.done`` file (the stage's
-parameters) is written; and the text files the stages read and write, with the checks that name
-the file and the fix.
+parameters) is written, by one run at a time per work dir (:func:`work_dir_locked`); and the text
+files the stages read and write, with the checks that name the file and the fix.
 """
+import contextlib
 import gzip
 import json
 import os
@@ -13,7 +14,10 @@ from pathlib import Path
 
 from sacremoses.corpus import NonbreakingPrefixes
 
+from multipath_nmt.folder_locks import FolderLock
+
 DONE = ".done"
+LOCK = "multipath-prepare.lock"
 SPLITS = ("train", "valid", "test")
 
 
@@ -48,6 +52,19 @@ class Progress:
 
     def close(self):
         self._print()
+
+
+@contextlib.contextmanager
+def work_dir_locked(work_dir):
+    """Hold the work dir's lock: a second run on it (the other direction of a WMT pair shares
+    ``<pair>.work``) waits here, saying for whom, then finds the stages finished."""
+    lock = FolderLock(Path(work_dir) / LOCK)
+    lock.acquire(wait=True, on_wait=lambda holder: log(
+        f"[lock] {work_dir} is in use by {holder}; waiting for it to finish"))
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def run_stage(final, label, params, build):

@@ -36,6 +36,7 @@ def patched_attributes():
             (checkpoint_utils, "load_checkpoint_to_cpu"), (checkpoint_utils, "torch_persistent_save"),
             (PathManager, "copy"), (checkpoint_utils, "load_checkpoint"),
             (checkpoint_utils, "load_model_ensemble_and_task"), (Trainer, "load_checkpoint"),
+            (Trainer, "state_dict"),
             (sys, "excepthook"), (distributed_utils, "_infer_torch_distributed_launch_init"),
             (distributed_fairseq_model, "DistributedDataParallel"), (Trainer, "train_step"),
             (Trainer, "__init__"), (MultiheadAttention, "forward"),
@@ -49,7 +50,8 @@ def patched_attributes():
 def _train_script_attributes():
     import fairseq_cli.train
 
-    return [(fairseq_cli.train, "validate_and_save"), (fairseq_cli.train, "train")]
+    return [(fairseq_cli.train, "validate_and_save"), (fairseq_cli.train, "train"),
+            (fairseq_cli.train, "main")]
 
 
 def _report(value):
