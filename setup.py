@@ -45,6 +45,7 @@ setup(
             "multipath-prepare=multipath_nmt.cli.prepare:main",
             "multipath-make-corpus=multipath_nmt.cli.make_corpus:main",
             "multipath-ctranslate2=multipath_nmt.cli.ctranslate2:main",
+            "multipath-export-hf=multipath_nmt.cli.export_hf:main",
         ]
     },
 )
