@@ -18,7 +18,8 @@ import sys
 import pytest
 import sacrebleu
 import torch
-from conftest import FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq
+from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_cli,
+                      run_fairseq)
 
 from multipath_nmt.ewa_folding import fold_state_dict
 from multipath_nmt.params import build_model
@@ -247,20 +248,10 @@ def exported(trains, toy_data_bin, toy_ewa_run, tmp_path_factory):
         folder = tmp_path_factory.mktemp("hf") / name.replace(" ", "-")
         proc = export_cli(checkpoint, folder, "--data-bin", toy_data_bin)
         assert proc.stdout.strip() == f"wrote {folder}"
+        # the pair from the data-bin's file names (the toy runs give no --source-lang)
+        assert "(en->de)" in (folder / "README.md").read_text()
         out[name] = (checkpoint, folder)
     return out
-
-
-def _fairseq_hypotheses(data_bin, checkpoint, beam, lenpen):
-    output = run_fairseq("generate", data_bin, "--path", checkpoint, "--gen-subset", "test",
-                         "--beam", str(beam), "--lenpen", str(lenpen), "--batch-size", "16",
-                         "--cpu", "--no-progress-bar").stdout
-    found = {}
-    for line in output.splitlines():
-        if line.startswith("H-"):
-            number, _, text = line.split("\t")
-            found[int(number[2:])] = text.split()
-    return [found[i] for i in range(len(found))]
 
 
 def _sources(data_bin):
@@ -296,7 +287,7 @@ def test_greedy_output_is_fairseq_generates(name, exported, toy_data_bin):
     checkpoint, folder = exported[name]
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True)
     dictionary, sources = _sources(toy_data_bin)
-    expected = _fairseq_hypotheses(toy_data_bin, checkpoint, 1, 1.0)
+    expected = generate_hypotheses(toy_data_bin, checkpoint, 1)
     assert len({tuple(h) for h in expected}) > len(expected) // 2  # not one degenerate output
     assert _generate(model.eval(), dictionary, sources, num_beams=1) == expected
 
@@ -310,7 +301,7 @@ def test_beam_4_lenpen_0_6_against_fairseq_generate(name, exported, toy_data_bin
     checkpoint, folder = exported[name]
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True)
     dictionary, sources = _sources(toy_data_bin)
-    expected = _fairseq_hypotheses(toy_data_bin, checkpoint, 4, 0.6)
+    expected = generate_hypotheses(toy_data_bin, checkpoint, 4, "--lenpen", "0.6")
     got = _generate(model.eval(), dictionary, sources)
     same = sum(a == b for a, b in zip(got, expected)) / len(expected)
     references = [(toy_data_bin.parent / "text" / "test.de").read_text().splitlines()]
@@ -352,3 +343,23 @@ def test_cli_refuses_in_one_line(arch, encoder_ffn, family, exported, toy_data_b
                                    f"{arch} cannot be exported to transformers: "
                                    f"{REFUSED[family]}")
     assert not (tmp_path / "hf").exists()
+
+
+# --- the model card -------------------------------------------------------------------------
+
+def test_model_card_reads_what_the_quickstart_leaves_next_to_the_checkpoint(tmp_path):
+    from multipath_nmt.hf_export.card import recorded_scores, recorded_training_command
+
+    checkpoint = tmp_path / "checkpoints" / "checkpoint_avg.pt"
+    checkpoint.parent.mkdir()
+    assert recorded_training_command(checkpoint) is None and recorded_scores(checkpoint) == []
+    (tmp_path / "train.log").write_text(
+        "train.sh: 1 GPU(s) ...\n"
+        "train.sh: /venv/bin/python -m fairseq_cli.train data-bin --arch multipath_transformer\n"
+        "epoch 001 ...\n")
+    (tmp_path / "score.txt").write_text(
+        "BLEU = 91.01, 95.2/92.5/89.7/86.9 (BP=1.000)\n"
+        "sacreBLEU = 91.04 | nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0 | x\n")
+    assert recorded_training_command(checkpoint) == (
+        "/venv/bin/python -m fairseq_cli.train data-bin --arch multipath_transformer")
+    assert recorded_scores(checkpoint)[1].startswith("sacreBLEU = 91.04 | nrefs:1|case:mixed")

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from multipath_nmt.checkpoints import architecture, model_config, read_checkpoint
-from multipath_nmt.serving import _model_name, _setting
+from multipath_nmt.checkpoints import model_config
+from multipath_nmt.serving import config_setting, model_name, read_unless_refused
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -68,9 +68,9 @@ def _flag(name):
 def export_obstacle(model_cfg) -> Optional[str]:
     """Why the model of ``model_cfg`` (a checkpoint's ``cfg.model`` or ``args``) cannot be exported,
     or None."""
-    name = _model_name(model_cfg)
+    name = model_name(model_cfg)
     get = lambda key, default=None: (  # noqa: E731
-        default if _setting(model_cfg, key) is None else _setting(model_cfg, key))
+        default if config_setting(model_cfg, key) is None else config_setting(model_cfg, key))
     if name == "moe_transformer":
         ffn = get("encoder_ffn")
         if ffn == "ewa" and get("ewa_stop_at") is not None:
@@ -118,23 +118,26 @@ def _dictionary(data_bin, lang):
 
 
 def _languages(state, data_bin, source_lang, target_lang):
+    """The language pair: given, else the checkpoint's task's, else what fairseq's translation
+    task infers from the data-bin's file names (``train.SRC-TGT.LANG.bin``)."""
+    from fairseq.data.data_utils import infer_language_pair
+
     task = state["cfg"]["task"] if state.get("cfg") is not None else state.get("args")
-    source_lang = source_lang or _setting(task, "source_lang")
-    target_lang = target_lang or _setting(task, "target_lang")
-    if source_lang and target_lang:
-        return source_lang, target_lang
-    found = sorted(p.name[5:-4] for p in Path(data_bin).glob("dict.*.txt"))
-    if len(found) == 2:
-        return found[0], found[1]
-    raise NotExportable(f"{data_bin}: the checkpoint records no language pair and the data-bin "
-                        "has not exactly two dictionaries; give --source-lang and --target-lang")
+    source_lang = source_lang or config_setting(task, "source_lang")
+    target_lang = target_lang or config_setting(task, "target_lang")
+    if not (source_lang and target_lang):
+        source_lang, target_lang = infer_language_pair(str(data_bin))
+    if not (source_lang and target_lang):
+        raise NotExportable(f"{data_bin}: neither the checkpoint nor the data-bin's file names "
+                            "give the language pair; give --source-lang and --target-lang")
+    return source_lang, target_lang
 
 
 def m2m100_settings(model_cfg, dictionary):
     """The keyword arguments of ``M2M100Config`` for the dense fairseq model ``model_cfg`` with the
     (joined) ``dictionary``."""
     get = lambda key, default=None: (  # noqa: E731
-        default if _setting(model_cfg, key) is None else _setting(model_cfg, key))
+        default if config_setting(model_cfg, key) is None else config_setting(model_cfg, key))
     return dict(
         vocab_size=len(dictionary), d_model=get("encoder_embed_dim"),
         encoder_layers=get("encoder_layers"), decoder_layers=get("decoder_layers"),
@@ -164,7 +167,7 @@ def generation_settings(model_cfg, dictionary):
     produced, no </s> as the first token (fairseq's min_len 1 counts generated tokens; transformers'
     ``min_length`` counts the decoder start too, so ``min_new_tokens=1``), at most 200 tokens and
     then </s> (``--max-len-b 200``, capped by the decoder's positions as fairseq caps it)."""
-    max_len = min(MAX_LEN_B, (_setting(model_cfg, "max_target_positions") or 1024) - 1)
+    max_len = min(MAX_LEN_B, (config_setting(model_cfg, "max_target_positions") or 1024) - 1)
     return dict(decoder_start_token_id=dictionary.eos(), bos_token_id=dictionary.bos(),
                 eos_token_id=dictionary.eos(), pad_token_id=dictionary.pad(),
                 forced_eos_token_id=dictionary.eos(), num_beams=BEAM, length_penalty=LENPEN,
@@ -173,7 +176,7 @@ def generation_settings(model_cfg, dictionary):
 
 
 def _is_multipath(model_cfg):
-    return _model_name(model_cfg) == "multipath_transformer"
+    return model_name(model_cfg) == "multipath_transformer"
 
 
 def _config(model_cfg, dictionary):
@@ -185,11 +188,11 @@ def _config(model_cfg, dictionary):
     from multipath_nmt.hf_export.modeling_multipath import MultiPathM2M100Config
 
     config = MultiPathM2M100Config(
-        encoder_paths=_setting(model_cfg, "encoder_paths"),
-        path_norm=not _setting(model_cfg, "no_path_norm"),
-        learnable_weights=_setting(model_cfg, "path_weights") == "learnable",
-        cheap_features=bool(_setting(model_cfg, "cheap_features")),
-        fairseq_activation_fn=_setting(model_cfg, "activation_fn") or "relu", **settings)
+        encoder_paths=config_setting(model_cfg, "encoder_paths"),
+        path_norm=not config_setting(model_cfg, "no_path_norm"),
+        learnable_weights=config_setting(model_cfg, "path_weights") == "learnable",
+        cheap_features=bool(config_setting(model_cfg, "cheap_features")),
+        fairseq_activation_fn=config_setting(model_cfg, "activation_fn") or "relu", **settings)
     module = REMOTE_MODELING_FILE[:-3]
     config.auto_map = {"AutoConfig": f"{module}.MultiPathM2M100Config",
                        "AutoModelForSeq2SeqLM": f"{module}.MultiPathM2M100ForConditionalGeneration"}
@@ -244,7 +247,8 @@ def build_transformers_model(state, dictionary):
     missing = set(result.missing_keys) - set(TIED)
     if missing or result.unexpected_keys:
         raise NotExportable(f"the checkpoint's weights do not fit {type(model).__name__}: "
-                            f"missing {sorted(missing)}, left over {sorted(result.unexpected_keys)}")
+                            f"missing {sorted(missing)}, "
+                            f"left over {sorted(result.unexpected_keys)}")
     model.tie_weights()
     return model.eval()
 
@@ -290,12 +294,8 @@ def export_to_transformers(checkpoint, data_bin, out_dir, bpe_codes=None, source
     from transformers import GenerationConfig
 
     checkpoint = str(checkpoint)
-    state = read_checkpoint(checkpoint)
-    model_cfg = model_config(state)
-    obstacle = export_obstacle(model_cfg)
-    if obstacle:
-        raise NotExportable(f"{checkpoint}: {architecture(state)} cannot be exported to "
-                            f"transformers: {obstacle}")
+    state, model_cfg = read_unless_refused(checkpoint, export_obstacle, NotExportable,
+                                           "cannot be exported to transformers")
     source_lang, target_lang = _languages(state, data_bin, source_lang, target_lang)
     dictionary = _dictionary(data_bin, source_lang)
     if _dictionary(data_bin, target_lang).symbols != dictionary.symbols:
@@ -305,7 +305,8 @@ def export_to_transformers(checkpoint, data_bin, out_dir, bpe_codes=None, source
     rows = state["model"]["encoder.embed_tokens.weight"].size(0)
     if rows != len(dictionary):
         raise NotExportable(f"{data_bin}: its dictionary has {len(dictionary)} entries, the "
-                            f"model's embeddings {rows}: give the data-bin the model was trained on")
+                            f"model's embeddings {rows}: give the data-bin the model was "
+                            "trained on")
     model = build_transformers_model(state, dictionary)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)

@@ -10,7 +10,7 @@ folder or the one above it. What is not found is said to be missing.
 from pathlib import Path
 
 from multipath_nmt.checkpoints import architecture, model_config
-from multipath_nmt.serving import _setting
+from multipath_nmt.serving import config_setting
 
 MODEL_SETTINGS = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim",
                   "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads",
@@ -48,8 +48,8 @@ def model_card(checkpoint, state, model, source_lang, target_lang):
     """The README.md of the folder exported from ``checkpoint`` (its ``state``) as ``model``."""
     cfg = model_config(state)
     params = sum(p.numel() for p in model.parameters())
-    settings = "\n".join(f"| {key} | {_setting(cfg, key)} |" for key in MODEL_SETTINGS
-                         if _setting(cfg, key) is not None)
+    settings = "\n".join(f"| {key} | {config_setting(cfg, key)} |" for key in MODEL_SETTINGS
+                         if config_setting(cfg, key) is not None)
     command = recorded_training_command(checkpoint)
     scores = recorded_scores(checkpoint)
     remote = bool(getattr(model.config, "auto_map", None))
