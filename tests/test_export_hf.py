@@ -363,3 +363,18 @@ def test_model_card_reads_what_the_quickstart_leaves_next_to_the_checkpoint(tmp_
     assert recorded_training_command(checkpoint) == (
         "/venv/bin/python -m fairseq_cli.train data-bin --arch multipath_transformer")
     assert recorded_scores(checkpoint)[1].startswith("sacreBLEU = 91.04 | nrefs:1|case:mixed")
+
+
+def test_cli_refuses_an_existing_folder_and_missing_codes_in_one_line(tmp_path, capsys):
+    from multipath_nmt.cli.export_hf import main
+
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(SystemExit) as exists:
+        main(["model.pt", str(tmp_path / "hf"), "--data-bin", "data-bin"])
+    assert exists.value.code == (f"multipath-export-hf: error: {tmp_path / 'hf'} exists "
+                                 "(--force writes into it)")
+    with pytest.raises(SystemExit) as no_codes:
+        main(["model.pt", str(tmp_path / "new"), "--data-bin", "data-bin", "--bpe-codes",
+              str(tmp_path / "codes")])
+    assert no_codes.value.code == (f"multipath-export-hf: error: --bpe-codes "
+                                   f"{tmp_path / 'codes'} is not a file")
