@@ -11,11 +11,18 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 install: $(VENV)/.installed
 
+# The installed torch is pinned through the second step, so that no dependency replaces it.
+# fairseq requires torchaudio, whose newest release (2.11.1) does not load against torch 2.13
+# (its import raises OSError); transformers imports torchaudio whenever it is installed, so the
+# third step removes a torchaudio that does not import. fairseq's translation code imports
+# torchaudio only inside its speech tasks and functions, never on import (tests/test_export_hf.py).
+
 $(VENV)/.installed: setup.py
 	@echo "== setting up $(VENV)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" "$$($(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
+	$(PY) -c "import torchaudio" 2>/dev/null || $(PY) -m pip uninstall -q -y torchaudio
 	touch $@
 
 # The import contracts (.importlinter, docs/architecture.md) first: they take a second.

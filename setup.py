@@ -26,8 +26,13 @@ setup(
     # installed, fairseq's PathManager routes every file operation through ioPath, as users see
     # pytest-xdist: both test commands run in 2 processes; filelock: the trained fixtures they
     # share are built by one of them (tests/conftest.py)
+    # transformers, optimum-onnx (optimum's ONNX exporter and its ONNX Runtime models) and
+    # onnxruntime: multipath-export-hf's round trips in tests/test_export_hf.py
+    # (docs/serving.md); optimum-onnx 0.1 caps transformers below 4.58
     extras_require={"test": ["pytest>=7", "import-linter>=2.5", "ctranslate2>=4",
-                             "iopath>=0.1.10", "pytest-xdist>=3", "filelock>=3"]},
+                             "iopath>=0.1.10", "pytest-xdist>=3", "filelock>=3",
+                             "transformers>=4.57,<4.58", "optimum>=2.1", "optimum-onnx>=0.1",
+                             "onnxruntime>=1.20"]},
     entry_points={
         "console_scripts": [
             "multipath-average=multipath_nmt.cli.average:main",
@@ -40,6 +45,7 @@ setup(
             "multipath-prepare=multipath_nmt.cli.prepare:main",
             "multipath-make-corpus=multipath_nmt.cli.make_corpus:main",
             "multipath-ctranslate2=multipath_nmt.cli.ctranslate2:main",
+            "multipath-export-hf=multipath_nmt.cli.export_hf:main",
         ]
     },
 )

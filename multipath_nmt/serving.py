@@ -53,14 +53,14 @@ MOE_LIMITS = {
 }
 
 
-def _setting(cfg, key):
+def config_setting(cfg, key):
     return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
 
 
-def _model_name(model_cfg):
+def model_name(model_cfg):
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-    arch = _setting(model_cfg, "arch") or _setting(model_cfg, "_name")
+    arch = config_setting(model_cfg, "arch") or config_setting(model_cfg, "_name")
     return ARCH_MODEL_NAME_REGISTRY.get(arch, arch)
 
 
@@ -68,12 +68,12 @@ def ctranslate2_obstacle(model_cfg) -> Optional[str]:
     """Why CTranslate2 cannot run the model of ``model_cfg`` (a checkpoint's ``cfg.model`` or
     ``args``), or None for fairseq's ``transformer`` (CTranslate2's converter checks the rest:
     activation, matching pre-norm settings, positional embeddings)."""
-    name = _model_name(model_cfg)
+    name = model_name(model_cfg)
     if name in CTRANSLATE2_LIMITS:
         return CTRANSLATE2_LIMITS[name]
     if name == "moe_transformer":
-        ffn = _setting(model_cfg, "encoder_ffn")
-        if ffn == "ewa" and _setting(model_cfg, "ewa_stop_at") is not None:
+        ffn = config_setting(model_cfg, "encoder_ffn")
+        if ffn == "ewa" and config_setting(model_cfg, "ewa_stop_at") is not None:
             return ("an early-EWA model keeps a routed mixture of experts at inference "
                     "(--ewa-stop-at): " + MOE_LIMITS["moe"])
         return MOE_LIMITS.get(ffn, "moe_transformer with encoder FFN "
@@ -91,6 +91,18 @@ def _as_namespace(model_cfg):
     return argparse.Namespace(**OmegaConf.to_container(model_cfg, resolve=True))
 
 
+def read_unless_refused(checkpoint, obstacle, error, refusal):
+    """The state and model config of ``checkpoint``, read by
+    :func:`~multipath_nmt.checkpoints.read_checkpoint`; raises ``error`` with the line
+    "CHECKPOINT: ARCH ``refusal``: REASON" when ``obstacle(model_cfg)`` gives a reason."""
+    state = read_checkpoint(checkpoint)
+    model_cfg = model_config(state)
+    reason = obstacle(model_cfg)
+    if reason:
+        raise error(f"{checkpoint}: {architecture(state)} {refusal}: {reason}")
+    return state, model_cfg
+
+
 def convert_to_ctranslate2(checkpoint, data_bin, output_dir, quantization=None,
                            source_lang=None, target_lang=None, force=False):
     """Convert the fairseq checkpoint ``checkpoint`` (dictionaries in ``data_bin``) into a
@@ -103,12 +115,8 @@ def convert_to_ctranslate2(checkpoint, data_bin, output_dir, quantization=None,
     except ImportError:
         raise NotServable("CTranslate2 is not installed: pip install ctranslate2") from None
     checkpoint = str(checkpoint)
-    state = read_checkpoint(checkpoint)
-    model_cfg = model_config(state)
-    obstacle = ctranslate2_obstacle(model_cfg)
-    if obstacle:
-        raise NotServable(f"{checkpoint}: {architecture(state)} cannot run in CTranslate2: "
-                          f"{obstacle}")
+    state, model_cfg = read_unless_refused(checkpoint, ctranslate2_obstacle, NotServable,
+                                           "cannot run in CTranslate2")
     with tempfile.TemporaryDirectory(prefix="multipath-ctranslate2-") as scratch:
         # the layout the converter reads (torch.load(weights_only=True): the Namespace is on
         # the safe-loading allow-list the plug-in installs)

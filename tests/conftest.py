@@ -130,6 +130,20 @@ def run_fairseq(tool, *args, check=True, env=None, user_dir=True):
     return proc
 
 
+def generate_hypotheses(data_bin, checkpoint, beam, *args):
+    """fairseq-generate's best hypothesis (tokens) of each test sentence of ``data_bin``, in the
+    order of the test set; ``args``: more fairseq-generate options."""
+    output = run_fairseq("generate", data_bin, "--path", checkpoint, "--gen-subset", "test",
+                         "--beam", str(beam), "--batch-size", "16", "--cpu",
+                         "--no-progress-bar", *args).stdout
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("H-"):
+            number, _, text = line.split("\t")
+            found[int(number[2:])] = text.split()
+    return [found[i] for i in range(len(found))]
+
+
 # --- slow tests (see the module docstring) --------------------------------------------------
 
 # A fairseq log line after an update: ``num_updates=3`` (train_inner) or ``| num_updates 3``.

@@ -12,7 +12,8 @@ import argparse
 
 import pytest
 import torch
-from conftest import FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq
+from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_cli,
+                      run_fairseq)
 
 from multipath_nmt.ewa_folding import fold_state_dict
 from multipath_nmt.params import build_model
@@ -136,18 +137,6 @@ def dense_checkpoints(trains, toy_data_bin, toy_ewa_run, tmp_path_factory):
     return found
 
 
-def _fairseq_hypotheses(data_bin, checkpoint, beam):
-    output = run_fairseq("generate", data_bin, "--path", checkpoint, "--gen-subset", "test",
-                         "--beam", str(beam), "--batch-size", "16", "--cpu",
-                         "--no-progress-bar").stdout
-    found = {}
-    for line in output.splitlines():
-        if line.startswith("H-"):
-            number, _, text = line.split("\t")
-            found[int(number[2:])] = text.split()
-    return [found[i] for i in range(len(found))]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["baseline", "deep", "folded ewa"])
 def test_dense_models_translate_exactly_like_fairseq_generate(name, ctranslate2, dense_checkpoints,
@@ -157,7 +146,7 @@ def test_dense_models_translate_exactly_like_fairseq_generate(name, ctranslate2,
     source = [line.split() for line in
               (toy_data_bin.parent / "text" / "test.en").read_text().splitlines()]
     for beam in (1, 4):
-        expected = _fairseq_hypotheses(toy_data_bin, checkpoint, beam)
+        expected = generate_hypotheses(toy_data_bin, checkpoint, beam)
         assert len({tuple(h) for h in expected}) > len(expected) // 2  # not one degenerate output
         got = translate(tmp_path / "ct2", source, beam=beam, batch_size=16,
                         compute_type="float32").hypotheses
