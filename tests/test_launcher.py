@@ -16,13 +16,14 @@ import shlex
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, script_env, script_python
-from helpers.signals import run_and_signal
+from conftest import ROOT, TINY_MODEL, script_env, script_python, start_command
+from helpers.signals import run_and_signal, worker_of_rank
 from helpers.training import (UPDATE_LOGGED, _fail, assert_same_final_model, free_port, kill_tree,
-                              load_model_state, run)
+                              load_model_state, run, stop)
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +162,32 @@ def test_the_documented_multi_node_command_runs_as_two_launchers(toy_data_bin, t
     _, stopped_at = load_model_state(save / "checkpoint_last.pt")
     assert 3 <= stopped_at < MAX_UPDATE
     assert both.count(f"SIGTERM: stopped after update {stopped_at} ") == 1, both[-6000:]
+
+
+def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
+    """A SIGTERM that reaches the workers before fairseq-train's handlers are installed (they
+    import, build the model, join the rendezvous) kills them (-15): train.sh still exits 143, the
+    status a scheduler's requeue script reads as "stopped by the signal"."""
+    command = train_sh(toy_data_bin, tmp_path / "ckpt", "baseline")
+    proc = start_command(command)
+    watchdog = threading.Timer(TIMEOUT, kill_tree, (proc.pid,))
+    watchdog.start()
+    try:
+        while True:  # both workers exist: the signal is passed on to them
+            try:
+                [worker_of_rank(proc.pid, rank) for rank in range(2)]
+                break
+            except LookupError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.stdout.read()
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+        stop(proc)
+    assert code == 143, output[-6000:]
+    assert "num_updates=" not in output  # it stopped before training
+    assert "train.sh: SIGTERM while the workers were starting: they stopped before training, " \
+           "nothing to save; exiting with status 143" in output, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
