@@ -23,7 +23,7 @@ import pytest
 from conftest import ROOT, TINY_MODEL, script_env, script_python, start_command
 from helpers.signals import run_and_signal, worker_of_rank
 from helpers.training import (UPDATE_LOGGED, _fail, assert_same_final_model, free_port, kill_tree,
-                              load_model_state, run, stop)
+                              load_model_state, run, run_until_killed, stop)
 
 pytestmark = pytest.mark.slow
 
@@ -191,3 +191,20 @@ def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
     assert "train.sh: SIGTERM while the workers were starting: they stopped before training, " \
            "nothing to save; exiting with status 143" in output, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
+
+
+def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_path):
+    """train.sh's periodic save (sized in minutes; here 0.001 so that the toy batches, 800 tokens
+    on 2 ranks, come to 7 updates) writes checkpoint_last.pt within the epoch (19 updates) and
+    keeps one checkpoint_E_U.pt: a SIGKILL after it loses only the updates since. The recipe
+    used to save at epoch ends only."""
+    save = tmp_path / "ckpt"
+    output = run_until_killed([*train_sh(toy_data_bin, save, "baseline"),
+                               "--save-interval-minutes", "0.001"], 9, timeout=TIMEOUT)
+    words = printed_command(output)
+    assert words[words.index("--save-interval-updates") + 1] == "7"
+    assert words[words.index("--keep-interval-updates") + 1] == "1"
+    _, saved = load_model_state(save / "checkpoint_last.pt")
+    assert saved in (7, 14)  # mid-epoch
+    assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_%d.pt" % saved,
+                                                     "checkpoint_last.pt"]
