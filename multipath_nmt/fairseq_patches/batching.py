@@ -135,12 +135,19 @@ def _continuing_with_other_processes(load_state_dict):
                 "of the run that saved it, or pass --reset-dataloader to start the epoch over")
         if processes == self.num_shards and done == processes * state["iterations_in_epoch"]:
             return load_state_dict(self, state)  # as many processes: fairseq's own course
-        if self.grouped_shuffling:
+        from fairseq.data.iterators import EpochBatchIterator
+
+        # only fairseq's plain iterator deals out its batches through ordered_batches (not the
+        # multi-corpus GroupedEpochBatchIterator); --grouped-shuffling's order depends on W
+        dealt_here = (type(self)._get_iterator_for_epoch
+                      is EpochBatchIterator._get_iterator_for_epoch)
+        if self.grouped_shuffling or not dealt_here:
+            why = ("--grouped-shuffling orders the batches by the number of processes"
+                   if dealt_here else f"{type(self).__name__} cannot deal out the batches left")
             raise ResumePositionError(
                 f"cannot continue epoch {epoch} on {self.num_shards} processes: it was saved on "
-                f"{processes}, and --grouped-shuffling orders the batches by the number of "
-                "processes. Resume on as many processes, or pass --reset-dataloader to start the "
-                "epoch over")
+                f"{processes}, and {why}. Resume on as many processes, or pass --reset-dataloader "
+                "to start the epoch over")
         self.epoch = epoch
         self._multipath_skip = (epoch, done)
         try:
