@@ -462,10 +462,12 @@ class AsynchronousWriter:
 
     Each job writes the same bytes to one or more paths, each through :func:`write_atomically`
     (a temporary file, fsynced, renamed over the path): a kill at any moment leaves every path
-    either as it was or complete. Jobs run one after the other, in the order submitted. A job
-    that fails keeps its :class:`CheckpointSaveError`; :meth:`raise_error` raises it in the
-    training process (at the next save, and when the writes are awaited at the end), so an error
-    is never lost in the thread.
+    either as it was or complete. Jobs run one after the other, in the order submitted. A path
+    that cannot be written is logged at once in one line and the job goes on with its other
+    paths; the failed paths are written again from the same bytes, in the training process, at
+    the next submit and when the writes are awaited (:meth:`write_failed_again`): an I/O error
+    that passes (a network file system's blip) costs nothing, one that stays stops training with
+    its :class:`CheckpointSaveError` line. "Saved checkpoint" is logged for a path once written.
     """
 
     def __init__(self):
@@ -473,16 +475,18 @@ class AsynchronousWriter:
         self._jobs = []  # futures not yet checked, oldest first
         self._lock = threading.Lock()
 
-    def submit(self, paths, chunks):
+    def submit(self, paths, chunks, described=""):
         """Write the concatenated ``chunks`` (bytes-like, kept by reference until written) to each
-        of ``paths`` in turn; returns at once."""
-        self.raise_error()
+        of ``paths`` in turn; returns at once (after writing again what failed before).
+        ``described`` follows the path in the "Saved checkpoint" line, e.g. ``(epoch 1 @ 4
+        updates)``."""
+        self.write_failed_again()
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="multipath_nmt-checkpoint-writer")
-            self._jobs.append(self._executor.submit(_write_each, list(paths), list(chunks),
-                                                    next(_tickets)))
+            self._jobs.append(self._executor.submit(
+                _FailedWrites(list(paths), list(chunks), next(_tickets), described).write))
 
     def wait(self, pending=0):
         """Block until at most ``pending`` jobs are still to finish (0: all of them)."""
@@ -491,27 +495,54 @@ class AsynchronousWriter:
         if len(running) > pending:
             concurrent.futures.wait(running[:len(running) - pending])
 
-    def raise_error(self):
-        """Raise the error of the oldest failed job, if one has finished with an error (once)."""
+    def write_failed_again(self):
+        """Write again, here and now, the paths that finished jobs failed to write; raise the
+        :class:`CheckpointSaveError` of the first that fails again."""
         with self._lock:
-            failed = next((job for job in self._jobs if job.done() and job.exception()), None)
+            done = [job for job in self._jobs if job.done()]
             self._jobs = [job for job in self._jobs if not job.done()]
-        if failed is not None:
-            raise failed.exception()
+        for job in done:
+            failed = job.result()
+            if failed.paths:
+                failed.write(again=True)
 
     def join(self):
-        """Wait for every job; raise the first error."""
+        """Wait for every job, then write again what failed; raise the first error."""
         self.wait()
-        self.raise_error()
+        self.write_failed_again()
 
 
-def _write_each(paths, chunks, ticket):
-    def write(out):
-        for chunk in chunks:
+class _FailedWrites:
+    """One job's bytes and the paths still to write them to (all, before it runs)."""
+
+    def __init__(self, paths, chunks, ticket, described):
+        self.paths, self.chunks, self.ticket, self.described = paths, chunks, ticket, described
+
+    def _write(self, out):
+        for chunk in self.chunks:
             out.write(chunk)
 
-    for path in paths:
-        write_atomically(path, write, ticket)
+    def write(self, again=False):
+        """Write every path; on the background thread a failed path is logged and kept for
+        later (returns ``self``), written again its error is raised."""
+        failed = []
+        for path in self.paths:
+            try:
+                write_atomically(path, self._write, self.ticket)
+            except CheckpointSaveError as err:
+                if again:
+                    raise
+                failed.append(path)
+                logger.error(f"{path}: the background write failed ({_reason(err.__cause__ or err)}); "
+                             "training goes on, and the next save or the end of the run writes "
+                             "it again (the error stops training if it stays)")
+                continue
+            logger.info(f"Saved checkpoint {path} {self.described}".rstrip()
+                        + (" (written again after the failed write)" if again else ""))
+        self.paths = failed
+        if not failed:
+            self.chunks = None  # the bytes are no longer needed
+        return self
 
 
 asynchronous_writer = AsynchronousWriter()

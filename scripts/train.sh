@@ -2,6 +2,7 @@
 # Train with the paper's recipe on fairseq-train and the multipath_nmt plug-in.
 #   scripts/train.sh DATA_BIN SAVE_DIR --arch ARCH [--batch-tokens N] [--max-tokens N]
 #                    [--embeddings auto|shared|separate] [--precision auto|bf16|fp16|fp32]
+#                    [--save-interval-minutes M]
 #                    [--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]]
 #                    [--dry-run] [fairseq-train args...]
 #
@@ -16,7 +17,9 @@
 # (0.9, 0.997) as --optimizer adam_fused (fairseq's Adam update in one fused kernel),
 # inverse_sqrt, label smoothing 0.1, attention and activation dropout 0.1, 20 epochs (--max-epoch 20
 # unless --max-epoch, --max-update or --stop-time-hours is given; EWA archs need --max-update),
-# epoch checkpoints (last 10 kept), and one precision for every
+# epoch checkpoints (last 10 kept), checkpoint_last.pt about every 10 minutes on GPUs
+# (--save-interval-minutes M, 0 for epoch ends only; the arithmetic is in
+# multipath_nmt/recipe/commands.py), and one precision for every
 # arch (--precision auto: --amp --bf16 on GPUs with bfloat16, --amp on older GPUs, fp32 on the
 # CPU; --precision bf16|fp16|fp32 to choose; docs/gpu.md says why).
 #   base (transformer_prenorm/transformer):  lr 0.001, 8000 warmup,  32,768 tokens per update

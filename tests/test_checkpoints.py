@@ -545,6 +545,43 @@ def test_asynchronous_write_error_is_raised_in_the_training_process(tmp_path, mo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_background_write_that_fails_once_is_written_again_by_the_next_submit(
+        tmp_path, monkeypatch, caplog):
+    """One path of a job fails once (EIO): the job still writes its other paths, the failure is
+    one error line at once, and the next submit writes the failed path again from the same bytes
+    before queueing its own: no save lost, no error raised. It used to stop the job's other
+    paths and raise at the next save, ending the run."""
+    import errno
+
+    from multipath_nmt import atomic_files
+
+    last, epoch = str(tmp_path / "checkpoint_last.pt"), str(tmp_path / "checkpoint_1_4.pt")
+    write_atomically, failed = atomic_files.write_atomically, []
+
+    def failing_once(path, write):
+        if str(path) == last and not failed:
+            failed.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        write_atomically(path, write)
+
+    monkeypatch.setattr(atomic_files, "write_atomically", failing_once)
+    caplog.set_level("INFO", logger=checkpoints.logger.name)
+    checkpoints.asynchronous_writer.submit([last, epoch], [b"4"], "(epoch 1 @ 4 updates)")
+    checkpoints.asynchronous_writer.wait()
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_1_4.pt"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{last}: the background write failed (Input/output error, errno 5); training goes on, and "
+        "the next save or the end of the run writes it again (the error stops training if it stays)",
+        f"Saved checkpoint {epoch} (epoch 1 @ 4 updates)"]
+    caplog.clear()
+    checkpoints.asynchronous_writer.submit([str(tmp_path / "checkpoint_1_8.pt")], [b"8"])
+    checkpoints.asynchronous_writer.join()
+    assert caplog.records[0].getMessage() == (f"Saved checkpoint {last} (epoch 1 @ 4 updates) "
+                                              "(written again after the failed write)")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {
+        "checkpoint_last.pt": b"4", "checkpoint_1_4.pt": b"4", "checkpoint_1_8.pt": b"8"}
+
+
 def test_written_since_a_mark_leaves_out_earlier_asynchronous_writes_completed_after_it(
         tmp_path, monkeypatch):
     """A stop's line names the files of its own save: a write asked for before the mark that the

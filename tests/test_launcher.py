@@ -13,16 +13,19 @@ SLURM form) runs as two launchers of one process each, with a c10d rendezvous on
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, script_env, script_python
-from helpers.signals import run_and_signal
+from conftest import ROOT, TINY_MODEL, run_command, script_env, script_python, start_command
+from helpers.signals import run_and_signal, worker_of_rank
 from helpers.training import (UPDATE_LOGGED, _fail, assert_same_final_model, free_port, kill_tree,
-                              load_model_state, run)
+                              load_model_state, run, run_until_killed, stop)
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +164,97 @@ def test_the_documented_multi_node_command_runs_as_two_launchers(toy_data_bin, t
     _, stopped_at = load_model_state(save / "checkpoint_last.pt")
     assert 3 <= stopped_at < MAX_UPDATE
     assert both.count(f"SIGTERM: stopped after update {stopped_at} ") == 1, both[-6000:]
+
+
+def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
+    """A SIGTERM that reaches the workers before fairseq-train's handlers are installed (they
+    import, build the model, join the rendezvous) kills them (-15): train.sh still exits 143, the
+    status a scheduler's requeue script reads as "stopped by the signal"."""
+    command = train_sh(toy_data_bin, tmp_path / "ckpt", "baseline")
+    proc = start_command(command)
+    watchdog = threading.Timer(TIMEOUT, kill_tree, (proc.pid,))
+    watchdog.start()
+    try:
+        while True:  # both workers exist: the signal is passed on to them
+            try:
+                [worker_of_rank(proc.pid, rank) for rank in range(2)]
+                break
+            except LookupError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.stdout.read()
+        code = proc.wait()
+    finally:
+        watchdog.cancel()
+        stop(proc)
+    assert code == 143, output[-6000:]
+    assert "num_updates=" not in output  # it stopped before training
+    assert "train.sh: SIGTERM while the workers were starting: they stopped before training, " \
+           "nothing to save; exiting with status 143" in output, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+
+
+def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_path):
+    """train.sh's periodic save (sized in minutes; here 0.001 so that the toy batches, 800 tokens
+    on 2 ranks, come to 7 updates) writes checkpoint_last.pt within the epoch (19 updates) and
+    keeps one checkpoint_E_U.pt: a SIGKILL after it loses only the updates since. The recipe
+    used to save at epoch ends only."""
+    save = tmp_path / "ckpt"
+    output = run_until_killed([*train_sh(toy_data_bin, save, "baseline"),
+                               "--save-interval-minutes", "0.001"], 9, timeout=TIMEOUT)
+    words = printed_command(output)
+    assert words[words.index("--save-interval-updates") + 1] == "7"
+    assert words[words.index("--keep-interval-updates") + 1] == "1"
+    _, saved = load_model_state(save / "checkpoint_last.pt")
+    assert saved in (7, 14)  # mid-epoch
+    assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_%d.pt" % saved,
+                                                     "checkpoint_last.pt"]
+
+
+def _sentences_per_update(output):
+    """{update: sentences it trained} from fairseq's per-update lines (--log-interval 1)."""
+    counts = {}
+    for line in output.splitlines():
+        update, sentences = re.search(r"num_updates=(\d+)", line), re.search(r"\bbsz=(\d+)", line)
+        if update and sentences and "epoch 001" in line:
+            counts[int(update.group(1))] = int(sentences.group(1))
+    return counts
+
+
+def test_a_resume_on_another_number_of_ranks_trains_each_sentence_of_the_epoch_once(
+        toy_data_bin, tmp_path):
+    """Stopped after update 3 or so on 2 ranks, resumed on 1 and on 4: epoch 1 trains its 300
+    sentences, each once (the batches of its 38 that the stopped run took, 2 per update, are not
+    taken again; the rest are dealt out to the new ranks). The saved position counted one rank's
+    own batches: resumed on 1 rank the epoch trained 332 sentences of 300 (stopped at 4), on 4
+    fairseq stopped with "dataloader mismatch". Other batches are refused in one line."""
+    one_epoch = ["--max-update", "100", "--max-epoch", "1"]
+    stopped = tmp_path / "stopped"
+    command = [*train_sh(toy_data_bin, stopped, "baseline"), *one_epoch]
+    code, output = run_and_signal(command, 3, signal.SIGTERM, timeout=TIMEOUT)
+    assert code == 143, output[-6000:]
+    _, at = load_model_state(stopped / "checkpoint_last.pt")
+    before = {u: n for u, n in _sentences_per_update(output).items() if u <= at}
+    assert sorted(before) == list(range(1, at + 1)) and at < 19
+    for ranks in (1, 4):
+        save = Path(shutil.copytree(stopped, tmp_path / f"on{ranks}"))
+        resumed = run([*train_sh(toy_data_bin, save, "baseline", gpus=ranks), *one_epoch],
+                      timeout=TIMEOUT)
+        after = _sentences_per_update(resumed)
+        assert min(after) == at + 1 and sorted(after) == list(range(at + 1, max(after) + 1))
+        assert sum(before.values()) + sum(after.values()) == 300, (ranks, before, after)
+        assert (f"epoch 1 was saved on 2 process(es) after {2 * at} of its 38 batches: the "
+                f"{38 - 2 * at} left are dealt out to {ranks} process(es)") in resumed
+    # other batches (another --batch-size or --max-tokens) cannot continue the epoch: one line
+    # before any update
+    save = Path(shutil.copytree(stopped, tmp_path / "other-batches"))
+    proc = run_command([*train_sh(toy_data_bin, save, "baseline", gpus=1), *one_epoch,
+                        "--batch-size", "4"], merge_stderr=True, timeout=TIMEOUT)
+    assert proc.returncode == 1 and "num_updates=" not in proc.stdout, proc.stdout[-4000:]
+    assert (f"train.py: error: cannot continue epoch 1 where the checkpoint stopped (after {2 * at} "
+            "of its batches): this run cuts the data into other batches (") in proc.stdout
+    assert ("another --max-tokens, --batch-size or other data). Resume with the batch flags and "
+            "data of the run that saved it, or pass --reset-dataloader to start the epoch over") \
+        in proc.stdout
+    assert "Traceback" not in proc.stdout

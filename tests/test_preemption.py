@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, run_command
 from helpers.signals import run_and_signal
 from helpers.training import (DUMP_RANKS, SMALL_BATCHES, assert_ranks_identical,
                               assert_same_final_model, comparable_command, load_model_state, run,
@@ -201,3 +201,38 @@ def test_the_stop_decision_adds_no_host_sync_per_update(toy_data_bin, tmp_path):
             assert sorted(moved.values()) == [-1, 1], moved
             assert [site for site, n in moved.items() if n > 0][0].split(":")[0].endswith(
                 "preemption.py") and "fairseq/trainer.py" in min(moved, key=moved.get), moved
+
+
+FAILING_WRITE = Path(__file__).parent / "helpers" / "train_with_a_failing_write.py"
+
+
+def test_sigterm_after_a_failed_asynchronous_write_saves_and_exits_143(toy_data_bin, tmp_path):
+    """--write-checkpoints-asynchronously: the background write of checkpoint_last.pt at update 4
+    fails once (EIO), then SIGTERM. The failure is one line at once; the save's other file is
+    still written; the log says "Saved" only for files written; the stop writes
+    checkpoint_last.pt at the update it stopped after and exits 143. The failed write used to stop
+    the rest of its save (checkpoint_1_4.pt too, though logged as saved) and the stop re-raised
+    its error: exit 1, nothing on disk."""
+    save = tmp_path / "stopped"
+    command = [sys.executable, str(FAILING_WRITE),
+               *train_command(toy_data_bin, save, "baseline", *FLAGS, "--save-interval-updates", 4,
+                              "--write-checkpoints-asynchronously")[3:]]
+    proc = run_command(command, merge_stderr=True, timeout=240)
+    output = proc.stdout
+    assert proc.returncode == 143 and "Traceback" not in output, output[-4000:]
+    last = save / "checkpoint_last.pt"
+    [failed] = [line for line in output.splitlines() if "background write failed" in line]
+    assert failed.endswith(f"{last}: the background write failed (Input/output error, errno 5); "
+                           "training goes on, and the next save or the end of the run writes it "
+                           "again (the error stops training if it stays)")
+    saved = re.findall(r"Saved checkpoint (\S+)", output)
+    assert saved.count(str(save / "checkpoint_1_4.pt")) == 1
+    assert "Queued checkpoint " + str(save / "checkpoint_1_4.pt") in output
+    # "Saved" follows the failure for checkpoint_last.pt: nothing claims it before it is written
+    assert output.index(failed) < output.index(f"Saved checkpoint {last}")
+    [line] = [line for line in output.splitlines() if "| SIGTERM: stopped after update" in line]
+    updates = int(re.search(r"stopped after update (\d+) ", line).group(1))
+    assert line.endswith(f"{last} for an exact resume (run the same command); exiting with status 143")
+    assert load_model_state(last)[1] == updates >= 4
+    assert load_model_state(save / "checkpoint_1_4.pt")[1] == 4
+    assert not list(save.glob("*.tmp"))

@@ -432,3 +432,34 @@ def test_compile_layers_is_passed_on_to_fairseq_train(fake_data_bin, args, value
         assert words[-len(args):] == args
         if value is not None:
             assert flags["--compile-layers"] == value
+
+
+@pytest.mark.parametrize("arch,gpus,every,seconds", [
+    # numbers by hand: 10 min x 60 / (tokens per update / (GPUs x the H200's tokens/s)), two digits
+    ("transformer_prenorm_wmt_en_de", "1", "940", "0.637"),   # 32,768 / 51,420
+    ("transformer_prenorm_wmt_en_de", "8", "7500", "0.0797"),
+    ("transformer_deep24_wmt_en_de", "1", "250", "2.4"),      # 65,536 / 27,307
+    ("multipath_l6_p4_wmt_en_de", "8", "2000", "0.3"),
+])
+def test_a_periodic_save_every_ten_minutes_by_default(fake_data_bin, arch, gpus, every, seconds):
+    proc = _dry_run(fake_data_bin, "--arch", arch, gpus=gpus)
+    _, flags = _flags(proc)
+    assert (flags["--save-interval-updates"], flags["--keep-interval-updates"]) == (every, "1")
+    assert (f"train.sh: periodic save: checkpoint_last.pt every {int(every):,} updates, about 10 "
+            f"minutes at an H200's speed ({seconds} s an update;") in proc.stdout
+    assert flags["--keep-last-epochs"] == "10"  # the epoch checkpoints average.sh reads, as before
+
+
+@pytest.mark.parametrize("args,gpus,line", [
+    ([], "0", "periodic save: none on the CPU (no measured speed to size it): at epoch ends; "
+              "--save-interval-updates N saves every N updates"),
+    (["--save-interval-minutes", "0"], "8",
+     "periodic save: none (--save-interval-minutes 0): at epoch ends only"),
+    (["--save-interval-updates", "500"], "8", "periodic save: --save-interval-updates given"),
+])
+def test_no_periodic_save_on_the_cpu_when_off_or_given(fake_data_bin, args, gpus, line):
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", *args, gpus=gpus)
+    words, flags = _flags(proc)
+    assert f"train.sh: {line}" in proc.stdout
+    assert words.count("--save-interval-updates") == (1 if "500" in args else 0)
+    assert "--keep-interval-updates" not in flags and "--save-interval-minutes" not in flags

@@ -28,6 +28,9 @@ batching          ``data_utils.batch_by_size``                                th
                                                                                                                                                  tests/test_compat.py::test_generate_translates_every_test_sentence
                   ``FairseqTask.get_batch_iterator``                          a run resumed in epoch e >= 2 built other batches    fairseq 0.12  tests/test_checkpoints.py::test_batches_of_a_later_epoch_are_those_of_epoch_1
                                                                               than an uninterrupted one                                          tests/test_crash_resume.py::test_sigkill_in_epoch_2_then_same_command_resumes_bit_exactly
+                  ``EpochBatchIterator.state_dict``,                          a resume on another number of processes trained      fairseq 0.12  tests/test_launcher.py::test_a_resume_on_another_number_of_ranks_trains_each_sentence_of_the_epoch_once
+                  ``EpochBatchIterator.load_state_dict``,                     part of the epoch twice or skipped it (the saved
+                  ``EpochBatchIterator.ordered_batches``                      position counted one process's batches)
 checkpoints       ``checkpoint_utils.load_checkpoint_to_cpu``                 one true line for each way a checkpoint fails        fairseq 0.12  tests/test_checkpoints.py::test_reader_tells_each_failure_apart
                                                                                                                                                  tests/test_checkpoints.py::test_fairseq_generate_says_one_line
                   ``checkpoint_utils.torch_persistent_save``                  a full disk left a ``.tmp`` file and a traceback;    fairseq 0.12  tests/test_checkpoints.py::test_full_disk_during_a_save

@@ -24,10 +24,15 @@
   first file's bytes are queued, fairseq is let take its synchronous course for the copies
   (``checkpoint_last.pt``, best, epoch files, as a synchronous save), and each copy is written in
   the background from the same bytes, ``checkpoint_last.pt`` first. A save waits while two
-  earlier ones are still unwritten (at most two checkpoints in memory).
+  earlier ones are still unwritten (at most two checkpoints in memory). fairseq's "Saved
+  checkpoint" line, logged before anything is written, says "Queued checkpoint"; the writer logs
+  "Saved checkpoint" for each file once it is written. A file that fails is logged at once and
+  written again at the next save (or the end of the run), whose error stops training if it stays
+  (:class:`multipath_nmt.checkpoints.AsynchronousWriter`); stock fairseq's ioPath writer lost the
+  error in its thread.
 * ``PathManager.async_close`` (fairseq-train's wait at its end, and the SIGTERM stop's) also
-  waits for those writes and raises their error; at exit, an error nobody awaited is one line on
-  stderr.
+  waits for those writes, writes failed files again and raises that error; at exit, an error
+  nobody awaited is one line on stderr.
 * ``PathManager.copy``: fairseq saves a checkpoint atomically but *copies* it in place to
   ``checkpoint_last.pt`` (and the best/epoch copies), so a kill during the copy leaves an
   unloadable file. Local copies go through a temporary file and ``os.replace``.
@@ -54,6 +59,7 @@ import atexit
 import functools
 import inspect
 import io
+import logging
 import os
 import shutil
 import sys
@@ -141,8 +147,8 @@ class _Save:
     """One ``save_checkpoint`` call with ``--write-checkpoints-asynchronously``: the bytes of its
     first file and every path fairseq copies that file to, written as one background job."""
 
-    def __init__(self, cfg):
-        self.cfg, self.paths, self.chunks = cfg, [], None
+    def __init__(self, cfg, described):
+        self.cfg, self.described, self.paths, self.chunks = cfg, described, [], None
 
     def is_first(self, path):
         return bool(self.paths) and os.path.abspath(path) == os.path.abspath(self.paths[0])
@@ -151,7 +157,8 @@ class _Save:
         # checkpoint_last*.pt first: a kill during the job then leaves the newest save the one a
         # resume reads
         last = [p for p in self.paths if os.path.basename(p).startswith("checkpoint_last")]
-        asynchronous_writer.submit(last + [p for p in self.paths if p not in last], self.chunks)
+        asynchronous_writer.submit(last + [p for p in self.paths if p not in last], self.chunks,
+                                   self.described)
 
 
 class _Saving:
@@ -159,6 +166,21 @@ class _Saving:
 
 
 _saving = _Saving()
+
+
+class _QueuedNotSaved(logging.Filter):
+    """fairseq's "Saved checkpoint" line of an asynchronous save, logged once the bytes are
+    queued, says so: the writer logs "Saved checkpoint" for each file once it is written."""
+
+    def filter(self, record):
+        if isinstance(record.msg, str) and record.msg.startswith("Saved checkpoint "):
+            record.msg = (record.msg.replace("Saved checkpoint ", "Queued checkpoint ", 1)
+                          .replace("(writing took ", "(queueing took ", 1)
+                          + "; written in the background")
+        return True
+
+
+_queued_not_saved = _QueuedNotSaved()
 
 
 class _AtomicAsynchronousFile(io.RawIOBase):
@@ -184,9 +206,12 @@ class _AtomicAsynchronousFile(io.RawIOBase):
         return super().__exit__(exc_type, exc, tb)
 
     def close(self):
-        if not self.closed and self._chunks is not None:
-            _written_in_the_background(self.path, self._chunks)
-        super().close()
+        chunks, self._chunks = self._chunks, None  # once: a close that raised is not retried
+        try:
+            if not self.closed and chunks is not None:
+                _written_in_the_background(self.path, chunks)
+        finally:
+            super().close()
 
 
 def _written_in_the_background(path, chunks):
@@ -214,14 +239,21 @@ def _atomic_asynchronous_opena(opena):
 def _copies_written_asynchronously(save_checkpoint):
     @functools.wraps(save_checkpoint)
     def save_checkpoint_in_the_background(cfg, trainer, epoch_itr, val_loss):
+        from fairseq import checkpoint_utils
+
         if not cfg.write_checkpoints_asynchronously or "://" in str(cfg.save_dir):
             return save_checkpoint(cfg, trainer, epoch_itr, val_loss)
-        asynchronous_writer.raise_error()  # an earlier save failed: stop here, in training
+        # files an earlier save failed to write are written now (a lasting error stops here)
+        asynchronous_writer.write_failed_again()
         asynchronous_writer.wait(pending=1)  # at most one save queued behind the one written
-        save = _saving.current = _Save(cfg)
+        save = _saving.current = _Save(cfg, f"(epoch {epoch_itr.epoch} @ "
+                                            f"{trainer.get_num_updates()} updates)")
+        fairseq_logger = logging.getLogger(checkpoint_utils.__name__)
+        fairseq_logger.addFilter(_queued_not_saved)
         try:
             result = save_checkpoint(cfg, trainer, epoch_itr, val_loss)
         finally:
+            fairseq_logger.removeFilter(_queued_not_saved)
             _saving.current = None
             cfg.write_checkpoints_asynchronously = True
         if save.chunks is not None:
@@ -238,7 +270,7 @@ def _awaiting_the_checkpoint_writes(async_close):
             asynchronous_writer.wait()
         finally:
             result = async_close()
-        asynchronous_writer.raise_error()
+        asynchronous_writer.write_failed_again()
         return result
 
     return async_close_after_the_checkpoint_writes

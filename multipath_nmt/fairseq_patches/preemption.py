@@ -26,7 +26,8 @@ and SLURM, Kubernetes and cloud schedulers send SIGTERM (or a chosen signal, ``s
   every rank calls ``checkpoint_utils.save_checkpoint`` (rank 0 writes ``checkpoint_last.pt``
   through the atomic writer, with the epoch iterator's position: the resume continues
   mid-epoch, bit-exactly on the CPU; with ``--write-checkpoints-asynchronously`` the background
-  writes are awaited and their error raised, as fairseq-train does at its end), the ranks wait
+  writes are awaited, as fairseq-train does at its end, and a file whose write failed is written
+  again; a save the disk refuses is one error line, and the stop goes on), the ranks wait
   for the write (one collective, at the stop only), one line names the files this process wrote
   (nothing else), and the process exits with status 128 + signal number (143 for SIGTERM, 138 for
   SIGUSR1, 130 for SIGINT). A signal that arrives with the last update (``--max-update``
@@ -53,7 +54,7 @@ import sys
 
 import torch
 
-from multipath_nmt.checkpoints import write_mark, written_since
+from multipath_nmt.checkpoints import CheckpointError, write_mark, written_since
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 logger = logging.getLogger(__name__)
@@ -220,13 +221,17 @@ def _stopping_on_signal(validate_and_save):
             logger.info(f"{_name(signum)} received as training ends at update {updates}: the run "
                         "finishes as it would have")
             return valid_losses, should_stop
-        if _state.saved_at is not None and _state.saved_at[:2] == (id(trainer), updates):
-            mark = _state.saved_at[2]  # fairseq has just saved this update
-        else:
-            mark = write_mark()
-            checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
-        if cfg.checkpoint.write_checkpoints_asynchronously:
-            PathManager.async_close()  # else the exit cuts the writer off mid-file
+        just_saved = _state.saved_at is not None and _state.saved_at[:2] == (id(trainer), updates)
+        mark = _state.saved_at[2] if just_saved else write_mark()  # fairseq has just saved it
+        try:
+            if not just_saved:
+                checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
+            if cfg.checkpoint.write_checkpoints_asynchronously:
+                PathManager.async_close()  # else the exit cuts the writer off mid-file
+        except CheckpointError as error:
+            # the disk refused the save: the stop is still a stop by the signal (a scheduler
+            # requeues on 128 + N), and the resume reads the last checkpoint that was written
+            logger.error(str(error))
         _all_ranks_wait(trainer)
         saved = _what_was_saved(cfg, trainer, written_since(mark))
         code = exit_code(signum)

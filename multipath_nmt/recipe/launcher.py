@@ -58,12 +58,16 @@ def _children() -> List[int]:
     return children
 
 
+_passed_on = []  # the stop signals passed on to the workers, in order
+
+
 def _pass_on(signum, frame):
     workers = _children()
     if not workers:  # still in the rendezvous: no worker has anything to save
         print(f"train.sh: {signal.Signals(signum).name} before the workers started: exiting with "
               f"status {128 + signum}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
+    _passed_on.append(signum)
     for pid in workers:
         try:
             os.kill(pid, signum)
@@ -74,8 +78,8 @@ def _pass_on(signum, frame):
 def run_launcher(argv: Sequence[str]) -> int:
     """Run ``argv`` (``python -m torch.distributed.run ...``, from :func:`train_command`) as
     torchrun does, in this process, with :data:`STOP_SIGNALS` passed on to every worker; the
-    exit status: 0, 128 + N when every worker stopped on signal N, else torchrun's report of the
-    workers' exits on stderr and 1."""
+    exit status: 0, 128 + N when every worker stopped on signal N or, not yet training, was
+    killed by it, else torchrun's report of the workers' exits on stderr and 1."""
     if list(argv[1:3]) != ["-m", LAUNCHER_MODULE]:
         raise ValueError(f"not a torchrun command line: {shlex.join(argv[:3])}")
     from torch.distributed import run as torchrun
@@ -95,6 +99,15 @@ def run_launcher(argv: Sequence[str]) -> int:
             code = codes.pop()
             print(f"train.sh: every worker stopped on {stops[code]} (status {code}); run the same "
                   f"command to resume", file=sys.stderr, flush=True)
+            return code
+        if _passed_on and codes <= {-_passed_on[0], 128 + _passed_on[0]}:
+            # a worker that had not yet installed fairseq-train's handlers (it was importing,
+            # building the model, joining the rendezvous) dies of the signal: still a stop by
+            # the signal, which a scheduler's requeue script must see as one
+            code = 128 + _passed_on[0]
+            print(f"train.sh: {signal.Signals(_passed_on[0]).name} while the workers were "
+                  f"starting: they stopped before training, nothing to save; exiting with status "
+                  f"{code}", file=sys.stderr, flush=True)
             return code
         print(error.format_msg(), file=sys.stderr, flush=True)
         return 1
