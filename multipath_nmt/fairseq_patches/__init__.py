@@ -174,14 +174,15 @@ def enabled():
 def install():
     """Put every patch in place (idempotent), but those ``MULTIPATH_NMT_PATCHES`` turns off."""
     skipped = left_out()
+    logger = logging.getLogger(__name__)
     if len(skipped) == len(NAMES):
-        logging.getLogger(__name__).warning(
-            "%s=off: fairseq runs without the plug-in's patches", SWITCH)
-        return
-    if skipped:
-        logging.getLogger(__name__).warning(
-            "%s=%s: fairseq runs without the plug-in's patches %s", SWITCH,
-            os.environ[SWITCH].strip(), ", ".join(skipped))
+        logger.warning("%s=off: fairseq runs without the plug-in's patches", SWITCH)
+    elif skipped:
+        logger.warning("%s=%s: fairseq runs without the plug-in's patches %s", SWITCH,
+                       os.environ[SWITCH].strip(), ", ".join(skipped))
+    in_force = [name for name in NAMES if name not in skipped]
+    # at the start of a fairseq-train log, which the run's numbers depend on (docs/patches.md)
+    logger.info("patches in force: %s (%s switches them)", ", ".join(in_force) or "none", SWITCH)
     for name, module in zip(NAMES, MODULES):
-        if name not in skipped:
+        if name in in_force:
             module.install()
