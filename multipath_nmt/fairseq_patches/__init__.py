@@ -11,7 +11,14 @@ calls, when it is more than the wiring, is library code outside this package
 ``MULTIPATH_NMT_PATCHES=off`` in the environment installs none of them (:data:`SWITCH`): fairseq
 as it ships, for debugging and for measuring stock fairseq; the models still register.
 ``MULTIPATH_NMT_PATCHES=-attention,-preemption`` leaves out just those modules (names from the
-table below, :data:`NAMES`), to debug one patch with the others in place.
+table below, :data:`NAMES`), to debug one patch with the others in place. With ``off``, as in
+stock fairseq 0.12: on torch >= 2.6 no fairseq checkpoint loads (resume, ``fairseq-generate``);
+``--amp`` takes steps of the wrong size, resumes at the initial loss scale, ignores
+``--amp-init-scale`` and ``--amp-scale-window`` and retries fewer overflowing batches as the run
+goes on, ``--amp --bf16`` casts the weights; ``--bf16`` asks for a TPU; EWA models never average;
+the last batch of each pass is dropped; a resume after epoch 1 trains on other batches; signals
+kill the run without a save; ``torchrun`` on CPUs fails; errors are tracebacks, found mid-epoch;
+``--help`` lists no model flags; attention takes fairseq's masked path.
 
 Tested with fairseq 0.12.3 and torch 2.13. "fairseq 0.12" below means the 0.12 series (the last
 release); "any" means every torch that setup.py allows (>= 2.1).

@@ -10,6 +10,13 @@
   epoch 1, but a run resumed in epoch e >= 2 rebuilt them with seed + e. The batches of a
   reusable iterator are now always built as in epoch 1, whatever the epoch it starts in, so a
   resume is exact across epochs.
+
+Reach beyond the plug-in's own models: every task: ``fairseq-generate`` translates every sentence,
+validation and training see up to 7 more sentences per pass, a resumed run trains on the batches of
+an uninterrupted one; stock fairseq's batches differ only there (not narrowed: it is the fix, and a
+fair comparison needs it for fairseq's models too).
+Does nothing when: the batches already cover every sentence; epoch 1, and iterators that are not
+reused.
 """
 import functools
 import inspect
