@@ -2,6 +2,16 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The interpreter the venv is made with: `make PYTHON=python3.11 ...` picks one; by default the
+# newest of SUPPORTED_PYTHONS that runs from the PATH, else python3. ve-fairseq 0.12.3, the
+# fairseq this installs, has wheels for these versions only.
+SUPPORTED_PYTHONS := 3.12 3.11
+PYTHON ?= $(firstword $(foreach v,$(SUPPORTED_PYTHONS),$(if $(shell python$(v) -c 'print(1)' 2>/dev/null),python$(v))) python3)
+# The scripts read PYTHON as their interpreter: under make they take the venv's, first on PATH.
+unexport PYTHON
+# The version of the interpreter that will run pip: the venv's once it exists.
+VENV_PYTHON = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+VENV_PYTHON_VERSION = $(shell $(VENV_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 # CPU build of PyTorch for CI and laptops; GPU users install their CUDA torch into the venv
 # first (or run `make TORCH=torch`): an existing torch is kept.
 TORCH ?= torch==2.13.0
@@ -18,8 +28,12 @@ install: $(VENV)/.installed
 # torchaudio only inside its speech tasks and functions, never on import (tests/test_export_hf.py).
 
 $(VENV)/.installed: setup.py
-	@echo "== setting up $(VENV)"
-	test -x $(PY) || python3 -m venv $(VENV)
+	$(if $(filter $(SUPPORTED_PYTHONS),$(VENV_PYTHON_VERSION)),,$(error $(VENV_PYTHON) is \
+	  $(if $(VENV_PYTHON_VERSION),Python $(VENV_PYTHON_VERSION),not an interpreter found on the PATH), \
+	  and fairseq (ve-fairseq 0.12.3) installs on Python 3.11 and 3.12 only: install one and \
+	  pick it with `make PYTHON=python3.11 $(or $(MAKECMDGOALS),install)`$(if $(wildcard $(PY)), after rm -r $(VENV))))
+	@echo "== setting up $(VENV) with $(VENV_PYTHON) (Python $(VENV_PYTHON_VERSION))"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]" "$$($(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')"
 	$(PY) -c "import torchaudio" 2>/dev/null || $(PY) -m pip uninstall -q -y torchaudio

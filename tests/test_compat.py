@@ -8,6 +8,7 @@ import torch
 
 from conftest import TOY_BASELINE, copy_run, run_fairseq
 
+from multipath_nmt import fairseq_patches
 from multipath_nmt.checkpoints import UntrustedCheckpointError
 from multipath_nmt.fairseq_patches import checkpoints as checkpoint_patches
 
@@ -77,6 +78,8 @@ def test_train_resume_and_generate_without_environment(trained, toy_data_bin):
     resumed = run_fairseq("train", *common, "--max-update", "6")
     log = resumed.stderr + resumed.stdout
     assert "Loaded checkpoint" in log and "num_updates 6" in log
+    assert (f"| INFO | multipath_nmt.fairseq_patches | patches in force: {', '.join(fairseq_patches.NAMES)} "
+            "(MULTIPATH_NMT_PATCHES switches them)\n") in log
     out = run_fairseq("generate", toy_data_bin, "--path", save / "checkpoint_last.pt",
                       "--beam", "2", "--max-len-b", "10", "--cpu", "--max-sentences", "8")
     assert out.stdout.count("\nH-") == 40

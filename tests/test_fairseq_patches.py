@@ -1,6 +1,7 @@
 """multipath_nmt.fairseq_patches: one install(), idempotent, in a stated order, and its table names
 tests that exist."""
 import json
+import logging
 import re
 import sys
 import types
@@ -152,3 +153,17 @@ def test_the_names_are_the_modules_and_the_docs_list_each():
     switches = doc[doc.index("## Turning patches off"):]
     for name in fairseq_patches.NAMES:
         assert f"`-{name}`" in switches, name
+
+
+@pytest.mark.parametrize("value, in_force", [
+    ("off", "none"),
+    ("-attention,-preemption", ", ".join(n for n in fairseq_patches.NAMES
+                                         if n not in ("attention", "preemption"))),
+])
+def test_install_logs_the_patches_in_force(monkeypatch, caplog, value, in_force):
+    """One INFO line (a fairseq-train log has it at its start: tests/test_compat.py)."""
+    monkeypatch.setenv("MULTIPATH_NMT_PATCHES", value)
+    with caplog.at_level(logging.INFO, logger="multipath_nmt.fairseq_patches"):
+        fairseq_patches.install()  # every patch is already in place: nothing is wrapped again
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        f"patches in force: {in_force} (MULTIPATH_NMT_PATCHES switches them)"]

@@ -213,6 +213,18 @@ def test_report_shows_each_figure_and_failures():
     assert "- WideNet: 40 at `/x/moe.py:10`" in text
 
 
+@pytest.mark.parametrize("cuda", [None, "13.0"])
+def test_no_cuda_device_tells_a_cpu_only_build_from_a_cuda_build_without_a_gpu(monkeypatch, cuda):
+    """Most Linux installs of PyTorch are CUDA builds, GPU or not: the refusal says which build
+    this is, and what to do about it."""
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert recipe.no_cuda_device() == {
+        None: f"no CUDA device is visible to PyTorch {torch.__version__}, a CPU-only build; run "
+              "it on a GPU machine with a CUDA build of PyTorch",
+        "13.0": f"no CUDA device is visible to PyTorch {torch.__version__} (built for CUDA 13.0); "
+                "run it on a GPU machine"}[cuda]
+
+
 def test_cli_refuses_cuda_without_a_gpu_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -225,8 +237,7 @@ def test_cli_refuses_cuda_without_a_gpu_in_one_line():
     proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check"], check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (  # after fairseq's start-up lines
-        f"gpu-check: no CUDA device is visible to PyTorch {torch.__version__} (CUDA build: "
-        "none); run it on a GPU machine")
+        f"gpu-check: {recipe.no_cuda_device()}")
     proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
                     "--precision", "fp16"], check=False)
     assert proc.returncode == 1 and "--precision fp16 needs --device cuda" in proc.stderr

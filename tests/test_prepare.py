@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import http.server
 import io
+import os
 import shutil
 import signal
 import socket
@@ -16,7 +17,7 @@ import tarfile
 import threading
 
 import pytest
-from conftest import ROOT, clean_env, run_cli, script_env, start_command
+from conftest import ROOT, clean_env, run_cli, script_env, script_python, start_command
 from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
@@ -30,6 +31,19 @@ from multipath_nmt.pipeline.prepare import (
 from multipath_nmt.pipeline.stages import LOCK
 from multipath_nmt.pipeline.synthetic import generate
 from multipath_nmt.pipeline.wmt import ARCHIVES, PAIRS, TASKS, Archive
+
+
+@pytest.fixture
+def preprocess_forked(monkeypatch):
+    """The binarize stage of a pipeline run in this process starts ``sys.executable -m ...``
+    (fairseq-preprocess) with this process's environment: have it forked from the suite's
+    preloaded Python (conftest) instead of paying for a fresh import of fairseq."""
+    monkeypatch.setattr(sys, "executable", script_python())
+    env = clean_env()
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
 
 
 # ------------------------------------------------------------------------------- unit level
@@ -407,7 +421,7 @@ def dataset_sizes(data_bin, src, tgt):
 
 
 @pytest.mark.slow
-def test_wmt_download_through_mirror_then_reverse_direction_reuses_text(tmp_path, mirror, capfd):
+def test_wmt_download_through_mirror_then_reverse_direction_reuses_text(tmp_path, mirror, capfd, preprocess_forked):
     url, requests = mirror
     work = tmp_path / "data-bin" / "wmt14_en_de.work"
     (work / "downloads").mkdir(parents=True)
@@ -456,7 +470,7 @@ def test_wmt_download_through_mirror_then_reverse_direction_reuses_text(tmp_path
 
 
 @pytest.mark.slow
-def test_wmt_from_raw_dir_needs_no_network(tmp_path, fake_release, mirror):
+def test_wmt_from_raw_dir_needs_no_network(tmp_path, fake_release, mirror, preprocess_forked):
     _, requests = mirror   # pins the fake archives' checksums; nothing may be requested
     out = prepare_wmt("wmt14_de_en", out=tmp_path / "wmt14_de_en", raw_dir=fake_release / "flat", workers=1,
                       bpe_merges=200)
@@ -489,7 +503,8 @@ def corpus_args(text, out, **extra):
 
 
 @pytest.mark.slow
-def test_interrupted_stage_restarts_and_finished_stages_are_skipped(small_corpus, tmp_path, monkeypatch, capfd):
+def test_interrupted_stage_restarts_and_finished_stages_are_skipped(small_corpus, tmp_path, monkeypatch, capfd,
+                                                                   preprocess_forked):
     out = tmp_path / "bin" / "syn"
     work = tmp_path / "bin" / "syn.work"
 
@@ -497,6 +512,7 @@ def test_interrupted_stage_restarts_and_finished_stages_are_skipped(small_corpus
         outfile.write("#version: 0.2\nt h\n")
         raise KeyboardInterrupt("killed while learning BPE")
 
+    learn_bpe = prepare.learn_bpe
     monkeypatch.setattr(prepare, "learn_bpe", killed)
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus(**corpus_args(small_corpus, out))
@@ -504,7 +520,7 @@ def test_interrupted_stage_restarts_and_finished_stages_are_skipped(small_corpus
     assert not (work / "bpe").exists() and not out.exists()      # nothing half-done looks finished
     assert (work / "bpe.partial").is_dir() and not (work / "bpe.partial" / ".done").exists()
 
-    monkeypatch.undo()
+    monkeypatch.setattr(prepare, "learn_bpe", learn_bpe)
     capfd.readouterr()
     prepare_corpus(**corpus_args(small_corpus, out))
     log = capfd.readouterr().err
@@ -590,9 +606,10 @@ def corpus_argv(text, out, src="en", tgt="de"):
             "--test", text / "test", "--out", out, "--workers", "1", "--bpe-merges", "50"]
 
 
-def test_fairseq_preprocess_runs_forked_with_its_output_on_stderr_and_its_exit_status(capfd):
-    """The binarize stage's fairseq-preprocess: a child of multipath-prepare (no second import of
-    fairseq), whose log goes to stderr (stdout stays free) and whose exit status is returned."""
+def test_fairseq_preprocess_runs_as_a_child_with_its_output_on_stderr_and_its_exit_status(capfd,
+                                                                                         preprocess_forked):
+    """The binarize stage's fairseq-preprocess: a child of multipath-prepare, whose log goes to
+    stderr (stdout stays free) and whose exit status is returned."""
     assert prepare.run_module("fairseq_cli.preprocess", ["--no-such-flag"]) == 2
     out, err = capfd.readouterr()
     assert out == "" and "error: unrecognized arguments: --no-such-flag" in err

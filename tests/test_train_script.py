@@ -109,6 +109,22 @@ def test_ewa_needs_a_number_of_updates_for_its_schedule(fake_data_bin):
     assert flags["--max-epoch"] == "20"
 
 
+@pytest.mark.parametrize("args", [
+    ["--arch", "ewa_early_transformer_wmt_en_de"],
+    ["--arch", "ewa_early_transformer_wmt_en_de", "--ewa-schedule", "constant"],
+    ["--arch", "ewa_early_transformer_wmt_en_de", "--max-epoch", "3"],
+    ["--arch", "ewa_transformer_wmt_en_de", "--ewa-stop-at=0.3", "--ewa-schedule", "constant"],
+])
+def test_early_ewa_needs_a_number_of_updates_whatever_the_schedule(fake_data_bin, args):
+    proc = _dry_run(fake_data_bin, *args, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"train.sh: error: {args[1]}: early EWA averages the experts during the first fraction "
+        "(--ewa-stop-at, 0.5 by default) of --max-update updates, whatever --ewa-schedule; give "
+        "--max-update N")
+    _, flags = _flags(_dry_run(fake_data_bin, *args, "--max-update", "100"))
+    assert flags["--max-update"] == "100"
+
+
 # The printed command gives max-tokens x GPUs x update-freq = 32,768 (base) / 65,536 (deep and
 # multi-path, and the wide archs on the deep recipe); numbers computed by hand.
 @pytest.mark.parametrize("arch,gpus,max_tokens,update_freq", [

@@ -59,8 +59,7 @@ def main(argv=None):
         import torch
 
         if not torch.cuda.is_available():
-            sys.exit(f"multipath-bench: --device cuda: no CUDA device is visible to PyTorch "
-                     f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
+            sys.exit(f"multipath-bench: --device cuda: {recipe.no_cuda_device()}")
     try:
         args.precision = recipe.choose_precision(args.precision, int(args.device == "cuda"))
     except recipe.RecipeError as error:

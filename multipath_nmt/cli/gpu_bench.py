@@ -35,8 +35,7 @@ def main(argv=None):
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"gpu-bench: no CUDA device is visible to PyTorch {torch.__version__} "
-                 f"(CUDA build: {torch.version.cuda or 'none'}); run it on a GPU machine")
+        sys.exit(f"gpu-bench: {recipe.no_cuda_device()}")
     try:
         precision = recipe.choose_precision(args.precision, int(args.device == "cuda"))
     except recipe.RecipeError as error:

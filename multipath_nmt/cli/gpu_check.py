@@ -63,8 +63,7 @@ def main(argv=None):
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"gpu-check: no CUDA device is visible to PyTorch {torch.__version__} "
-                 f"(CUDA build: {torch.version.cuda or 'none'}); run it on a GPU machine")
+        sys.exit(f"gpu-check: {recipe.no_cuda_device()}")
     if args.precision == "fp16" and args.device != "cuda":
         sys.exit("gpu-check: --precision fp16 needs --device cuda (float16 autocast and its loss "
                  "scaler are CUDA's); on the CPU use bf16, fp32 or memory-efficient-fp16")

@@ -11,7 +11,14 @@ calls, when it is more than the wiring, is library code outside this package
 ``MULTIPATH_NMT_PATCHES=off`` in the environment installs none of them (:data:`SWITCH`): fairseq
 as it ships, for debugging and for measuring stock fairseq; the models still register.
 ``MULTIPATH_NMT_PATCHES=-attention,-preemption`` leaves out just those modules (names from the
-table below, :data:`NAMES`), to debug one patch with the others in place.
+table below, :data:`NAMES`), to debug one patch with the others in place. With ``off``, as in
+stock fairseq 0.12: on torch >= 2.6 no fairseq checkpoint loads (resume, ``fairseq-generate``);
+``--amp`` takes steps of the wrong size, resumes at the initial loss scale, ignores
+``--amp-init-scale`` and ``--amp-scale-window`` and retries fewer overflowing batches as the run
+goes on, ``--amp --bf16`` casts the weights; ``--bf16`` asks for a TPU; EWA models never average;
+the last batch of each pass is dropped; a resume after epoch 1 trains on other batches; signals
+kill the run without a save; ``torchrun`` on CPUs fails; errors are tracebacks, found mid-epoch;
+``--help`` lists no model flags; attention takes fairseq's masked path.
 
 Tested with fairseq 0.12.3 and torch 2.13. "fairseq 0.12" below means the 0.12 series (the last
 release); "any" means every torch that setup.py allows (>= 2.1).
@@ -186,14 +193,15 @@ def enabled():
 def install():
     """Put every patch in place (idempotent), but those ``MULTIPATH_NMT_PATCHES`` turns off."""
     skipped = left_out()
+    logger = logging.getLogger(__name__)
     if len(skipped) == len(NAMES):
-        logging.getLogger(__name__).warning(
-            "%s=off: fairseq runs without the plug-in's patches", SWITCH)
-        return
-    if skipped:
-        logging.getLogger(__name__).warning(
-            "%s=%s: fairseq runs without the plug-in's patches %s", SWITCH,
-            os.environ[SWITCH].strip(), ", ".join(skipped))
+        logger.warning("%s=off: fairseq runs without the plug-in's patches", SWITCH)
+    elif skipped:
+        logger.warning("%s=%s: fairseq runs without the plug-in's patches %s", SWITCH,
+                       os.environ[SWITCH].strip(), ", ".join(skipped))
+    in_force = [name for name in NAMES if name not in skipped]
+    # at the start of a fairseq-train log, which the run's numbers depend on (docs/patches.md)
+    logger.info("patches in force: %s (%s switches them)", ", ".join(in_force) or "none", SWITCH)
     for name, module in zip(NAMES, MODULES):
-        if name not in skipped:
+        if name in in_force:
             module.install()

@@ -41,6 +41,13 @@ on the CPU, and :func:`multipath_nmt.attention.attention_calls` (printed by
 ``scripts/gpu-check.sh``) shows which mask each attention call site passes.
 
 Tested with fairseq 0.12.3 and torch 2.13.
+
+Reach beyond the plug-in's own models: models built by ``TransformerModelBase.build_model``,
+fairseq's own ``transformer`` included, take this path (fairseq's numbers up to summation order), so
+"stock" in our benchmark is fairseq plus this dispatch (not narrowed: the benchmark compares every
+system on one attention kernel).
+Does nothing when: an attention not marked by ``build_model`` (RoBERTa, a decoder built directly),
+incremental decoding, calls returning weights, TorchScript.
 """
 import functools
 import types

@@ -23,6 +23,14 @@
   differ (another ``--max-tokens``, other data) or ``--grouped-shuffling`` (its order depends
   on the number of processes) are refused in one line before the first update. The same number
   of processes, and checkpoints saved without these entries, take fairseq's own course.
+
+Reach beyond the plug-in's own models: every task: ``fairseq-generate`` translates every sentence,
+validation and training see up to 7 more sentences per pass, a resumed run trains on the batches of
+an uninterrupted one; stock fairseq's batches differ only there (not narrowed: it is the fix, and a
+fair comparison needs it for fairseq's models too).
+Does nothing when: the batches already cover every sentence; epoch 1, and iterators that are not
+reused; a resume on the same number of processes, or from a checkpoint without the position's
+new entries.
 """
 import functools
 import hashlib

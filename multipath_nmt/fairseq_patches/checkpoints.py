@@ -54,6 +54,15 @@
   (:data:`~multipath_nmt.checkpoints.DICTIONARIES`), for that check.
 * ``sys.excepthook``: an uncaught ``CheckpointError`` is printed as one line without a traceback
   (the process still exits with status 1).
+
+Reach beyond the plug-in's own models: every fairseq checkpoint read, save and local copy goes
+through ``multipath_nmt.checkpoints`` (same files, same contents); ``PathManager.opena(path, "wb")``
+of a local path returns a file written in the background through a temporary file, and
+``PathManager.async_close`` also waits for it; the hook is in every process, but acts only in a
+command-line tool (``fairseq_cli.*``, ``fairseq-*``, ``multipath-*``; narrowed: a user's script, a
+notebook or pytest keeps the traceback).
+Does nothing when: remote paths (``://``), a ``--restore-file`` other than ``checkpoint_last.pt``, a
+file not proven damaged; the hook on any other error.
 """
 import atexit
 import functools

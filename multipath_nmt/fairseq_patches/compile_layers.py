@@ -27,6 +27,10 @@ WideNet stack, the MoE/EWA/ParameterNet layers alike, so that comparisons stay f
   autograd function around the layer with Python arguments: the compiled graph would stop at it).
 
 Tested with fairseq 0.12.3 and torch 2.13 (``tests/test_compile.py``).
+
+Reach beyond the plug-in's own models: a new flag on training parsers; given, any model's layers are
+compiled (fairseq's ``transformer`` too); validation and incremental decoding stay eager.
+Does nothing when: the flag is not given.
 """
 import argparse
 import functools

@@ -12,6 +12,10 @@
   the run before its first update rather than epochs later. A split is checked once per process.
 * ``sys.excepthook``: an uncaught :class:`~multipath_nmt.data_bins.DataBinError` is printed as
   one line without a traceback (the process exits with status 1), as checkpoint errors are.
+
+Reach beyond the plug-in's own models: every ``translation`` task checks its data-bin once per split
+and process (one read of each file); the hook as for ``checkpoints`` (narrowed the same way).
+Does nothing when: remote data, ``--dataset-impl raw``, other tasks.
 """
 import functools
 import inspect

@@ -7,6 +7,9 @@ fairseq assumes one GPU per process when it is started by ``torchrun``/``torch.d
   ``DistributedDataParallel``, which PyTorch rejects for a module on the CPU.
 
 Both are fixed here without touching the GPU path: with CUDA nothing changes.
+
+Reach beyond the plug-in's own models: any model trains on CPU ranks.
+Does nothing when: a CUDA device is visible (the GPU path is fairseq's).
 """
 import os
 

@@ -4,6 +4,10 @@ fairseq has no after-step hook for models, so ``Trainer.set_num_updates`` (calle
 successful optimizer step, and also when a checkpoint is loaded) is wrapped to call
 :func:`multipath_nmt.ewa_training.after_step`, and ``Trainer.train_step`` to tell the two apart:
 only a count advanced by one inside ``train_step`` is an optimizer step.
+
+Reach beyond the plug-in's own models: every ``Trainer`` sets a flag around ``train_step`` and looks
+for EWA modules after each update.
+Does nothing when: the model has no EWA layer.
 """
 import functools
 

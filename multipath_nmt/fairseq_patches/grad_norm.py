@@ -13,6 +13,13 @@ float rounding (``tests/test_grad_norm.py``). Where apex is installed, nothing c
 
 Needed on: fairseq 0.12 without apex, with a torch whose ``_foreach_norm`` takes ``dtype``
 (2.4 and later; on older ones the patch does nothing). Off: ``MULTIPATH_NMT_PATCHES=-grad_norm``.
+
+Reach beyond the plug-in's own models: every ``clip_grad_norm_`` of fairseq takes its multi-tensor
+branch (``utils.multi_tensor_l2norm_available`` is set), whose body is now PyTorch's: the same norm
+and clipped gradients to float rounding.
+Does nothing when: apex's ``amp_C`` is installed (fairseq's fused kernel is used as before); a torch
+whose ``_foreach_norm`` takes no ``dtype``; a model with one gradient (fairseq's own single-tensor
+branch).
 """
 import functools
 

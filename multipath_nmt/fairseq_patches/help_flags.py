@@ -4,6 +4,11 @@ fairseq 0.12 parses once to learn ``--arch``/``--task``/``--optimizer``..., adds
 parses again; ``--help`` acted in the first parse, so no model flag was ever listed. Here it is
 held back and printed from fairseq's second ``modify_parser`` call (every flag is on the parser
 then), each model flag followed by the default its ``--arch`` gives it.
+
+Reach beyond the plug-in's own models: every fairseq tool's ``--help`` lists the model's flags; the
+help strings are edited through argparse's private ``_actions`` on a parser that exits right after
+printing (not narrowed: argparse has no public list of a parser's actions).
+Does nothing when: ``-h``/``--help`` is not on the command line.
 """
 import argparse
 import functools

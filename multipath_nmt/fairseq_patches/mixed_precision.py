@@ -74,6 +74,16 @@ What fairseq 0.12 does, and what is changed:
   the retry decision; and on a resume, where the count is 0 already): every batch gets
   ``--amp-batch-retries`` retries, and between updates, where checkpoints are saved, the count is
   always 0, as in the fresh ``Trainer`` of a resumed run.
+
+Reach beyond the plug-in's own models: every run with those flags trains as described, not as stock
+fairseq 0.12; ``--amp`` checkpoints hold one more key in ``last_optimizer_state``,
+``amp_grad_scaler`` (stock fairseq loads them and ignores it), and a resume restores the scale and
+growth count while the scaler's factors and interval stay the command line's; ``--fp16-init-scale``
+and ``--fp16-scale-window`` no longer change an ``--amp`` run; ``Trainer.set_num_updates`` also sets
+fairseq's ``_amp_retries`` back to 0 (only where ``--amp`` made one).
+Does nothing when: fp32 without ``--amp``, ``--bf16`` or ``--checkpoint-activations``; the scaler
+state is not saved for a disabled scaler (bf16), and a checkpoint without it starts at ``--amp-init-
+scale``.
 """
 import contextlib
 import functools

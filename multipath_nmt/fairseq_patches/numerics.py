@@ -15,6 +15,12 @@ What fairseq 0.12 does on today's PyTorch, and what is changed:
 ``Trainer.train_step`` is wrapped: any of these failures becomes one
 :class:`NonFiniteLossError` (a ``FloatingPointError``) naming the update, the original message,
 ``crash.pt`` and what to try; and a CPU fp16 overflow is skipped like on a GPU.
+
+Reach beyond the plug-in's own models: every ``Trainer``: the same failures, reworded, the original
+chained; an error raised while an OverflowError is handled is skipped only when it is fairseq's
+``.cuda()`` call (narrowed: it was any error then).
+Does nothing when: an update that raises nothing; any error without a ``FloatingPointError`` behind
+it.
 """
 import functools
 import os

@@ -43,6 +43,13 @@ Both functions are attributes of the module that runs ``fairseq-train``: ``fairs
 for the console script, ``__main__`` for ``python -m fairseq_cli.train``. They are wrapped in
 whichever of those is loaded when the plug-in is imported (fairseq imports it while parsing the
 arguments, before ``main`` runs; in every process of a distributed run).
+
+Reach beyond the plug-in's own models: every ``fairseq-train`` run, any model: a signal no longer
+kills at once (a second one is ignored; SIGKILL still kills); with several ranks,
+``Trainer.train_step`` sums three more numbers and gets the summed sample size, OOM count and
+training time as Python numbers (as with one process), read in one copy that replaces fairseq's read
+of the sample size.
+Does nothing when: processes other than ``fairseq-train``; the statistics of ``valid_step``.
 """
 import atexit
 import functools

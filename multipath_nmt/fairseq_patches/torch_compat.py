@@ -10,6 +10,10 @@ A distributed resume broadcasts rank 0's loaded state (an OmegaConf config) to t
 through ``torch.load``. That in-memory payload comes from our own process group; only the
 OmegaConf containers it holds (and fairseq's placeholders for the tensors sent separately) are
 allowed, and only while it is read.
+
+Reach beyond the plug-in's own models: every ``torch.load`` of the process may unpickle
+``argparse.Namespace`` (and the globals named in ``MULTIPATH_NMT_TRUST_GLOBALS``).
+Does nothing when: torch < 2.4 (no allow-list).
 """
 import argparse
 import collections

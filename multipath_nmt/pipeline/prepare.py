@@ -24,7 +24,8 @@ any ``.partial`` left by an interrupted run. One run at a time works in a work d
 This module runs the stages for a user's corpus (:func:`prepare_corpus`) and a WMT direction
 (:func:`prepare_wmt`) and downloads the WMT archives; the pieces sit beside it:
 :mod:`~multipath_nmt.pipeline.stages` (the stage directories and the text files),
-:mod:`~multipath_nmt.pipeline.text` (Moses, cleaning, the worker pools) and
+:mod:`~multipath_nmt.pipeline.text` (Moses, cleaning, the worker pools),
+:mod:`~multipath_nmt.pipeline.tethered` (the child processes that die with multipath-prepare) and
 :mod:`~multipath_nmt.pipeline.archives` (checking, joining and extracting the WMT releases,
 Table 1's sizes).
 """
@@ -55,9 +56,10 @@ from multipath_nmt.pipeline.stages import (  # noqa: F401
 )
 from multipath_nmt.pipeline.text import (  # noqa: F401
     CHUNK_LINES, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH, CLEAN_MIN, CLEAN_RATIO,
-    NON_PRINTING, _bpe_chunk, _chunks, _in_pool_worker, _init_bpe, _init_tokenizer,
-    _tokenize_chunk, clean_pair, map_file, moses_tokenize, remove_non_printing, run_module,
+    NON_PRINTING, _bpe_chunk, _chunks, _init_bpe, _init_tokenizer,
+    _tokenize_chunk, clean_pair, map_file, moses_tokenize, remove_non_printing,
 )
+from multipath_nmt.pipeline.tethered import run_module
 from multipath_nmt.pipeline.wmt import ARCHIVES, TASKS
 from multipath_nmt.scoring import sgm_to_text  # noqa: F401
 

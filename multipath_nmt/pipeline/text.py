@@ -1,15 +1,9 @@
 """Per-line text processing of ``multipath-prepare`` (see :mod:`multipath_nmt.pipeline.prepare`):
-the Moses scripts (sacremoses ports), clean-corpus-n.perl, the worker pools that run them and
-subword-nmt's BPE over a file in chunks, and the child that runs fairseq-preprocess, each process
-dying with multipath-prepare.
+the Moses scripts (sacremoses ports), clean-corpus-n.perl, and the worker pools that run them and
+subword-nmt's BPE over a file in chunks, each worker dying with multipath-prepare
+(:mod:`multipath_nmt.pipeline.tethered`).
 """
-import ctypes
-import logging
 import multiprocessing
-import os
-import runpy
-import signal
-import sys
 from itertools import islice
 
 import regex
@@ -17,6 +11,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 from subword_nmt.apply_bpe import BPE
 
 from multipath_nmt.pipeline.stages import Progress, read_lines
+from multipath_nmt.pipeline.tethered import die_with_pool_parent
 
 CHUNK_LINES = 2000
 # clean-corpus-n.perl arguments used by fairseq's WMT scripts: -ratio 1.5 CORPUS L1 L2 OUT 1 250
@@ -55,60 +50,8 @@ def clean_pair(a, b, ratio=CLEAN_RATIO, min_len=CLEAN_MIN, max_len=CLEAN_MAX,
 
 _worker = {}
 
-# After a kill -9 of multipath-prepare, none of its children may go on writing into a stage's
-# .partial folder while the next run removes and rebuilds it: each is SIGKILLed when its parent
-# dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing is done).
-def _die_with(parent):
-    """Have this process killed when its parent ``parent`` (a pid) dies; at once if it has."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the call
-        os._exit(1)
-
-
-def _in_pool_worker():
-    """A worker of our own pools (tokenize, BPE) dies with multipath-prepare."""
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        _die_with(parent.pid)
-
-
-def run_module(module, args):
-    """``python -m MODULE ARGS...`` (fairseq-preprocess) in a child forked from this process,
-    which has imported fairseq already, with the child's stdout on our stderr (its log is
-    progress: stdout stays free, as in every stage). The child dies with us, and so does every
-    process it forks (fairseq-preprocess's ``--workers``). Returns its exit status (-N: killed
-    by signal N)."""
-    child = multiprocessing.get_context("fork").Process(target=_run_module,
-                                                        args=(os.getpid(), module, list(args)))
-    child.start()
-    child.join()
-    return child.exitcode
-
-
-def _run_module(parent, module, args):
-    _die_with(parent)
-    forking = {}
-    os.register_at_fork(before=lambda: forking.update(pid=os.getpid()),
-                        after_in_child=lambda: _die_with(forking["pid"]))
-    sys.stdout.flush()
-    os.dup2(2, 1)
-    # fairseq-preprocess on its own: importing fairseq configures the root logger (warnings to
-    # stderr) before the module's own logging.basicConfig(INFO), which then does nothing. The
-    # plug-in's import undid that configuration in this process; redo it, so that the stage
-    # prints and writes (an empty preprocess.log) what fairseq's command does.
-    logging.basicConfig()
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-
 
 def _init_tokenizer(lang):
-    _in_pool_worker()
     _worker["normalizer"] = MosesPunctNormalizer(lang)
     _worker["tokenizer"] = MosesTokenizer(lang)
 
@@ -118,13 +61,17 @@ def _tokenize_chunk(lines):
 
 
 def _init_bpe(codes_path):
-    _in_pool_worker()
     with open(codes_path, encoding="utf-8") as codes:
         _worker["bpe"] = BPE(codes)
 
 
 def _bpe_chunk(lines):
     return [_worker["bpe"].process_line(line) for line in lines]
+
+
+def _start_worker(init, *init_args):
+    die_with_pool_parent()
+    init(*init_args)
 
 
 def _chunks(lines, size):
@@ -142,7 +89,8 @@ def map_file(src, dst, func, init, init_args, workers, label, chunk_lines=CHUNK_
             progress.update(len(chunk))
 
         if workers > 1:
-            with multiprocessing.Pool(workers, initializer=init, initargs=init_args) as pool:
+            with multiprocessing.Pool(workers, initializer=_start_worker,
+                                      initargs=(init, *init_args)) as pool:
                 for chunk in pool.imap(func, _chunks(read_lines(src), chunk_lines), chunksize=1):
                     write(chunk)
         else:

@@ -29,7 +29,8 @@ from multipath_nmt.recipe.commands import (DECODING, RECIPE_DROPOUT, RECIPE_EPOC
 from multipath_nmt.recipe.data_bin import (UNSHARED_LANGUAGE_PAIRS, dictionary_files,
                                            embedding_sharing)
 from multipath_nmt.recipe.devices import (PRECISION_NOTES, PRECISIONS, choose_precision,
-                                          ddp_on_cpu, gpu_count, gpu_supports_bf16)
+                                          ddp_on_cpu, gpu_count, gpu_supports_bf16,
+                                          no_cuda_device)
 from multipath_nmt.recipe.launcher import (LAUNCHER_MODULE, LAUNCHER_NOTE, STOP_SIGNALS,
                                            launcher_arguments, run_launcher)
 from multipath_nmt.recipe.translation import finish_translation

@@ -72,6 +72,12 @@ def training_length(arch: str, passed_on: Sequence[str]) -> Tuple[List[str], str
     """The length flags to add (the recipe's ``--max-epoch 20`` when none is given) and the line
     train.sh prints about the length."""
     given = _given_lengths(passed_on)
+    early_ewa = arch.startswith("ewa_early") or any(
+        word.partition("=")[0] == "--ewa-stop-at" for word in passed_on)
+    if early_ewa and "--max-update" not in given:
+        raise RecipeError(f"{arch}: early EWA averages the experts during the first fraction "
+                          "(--ewa-stop-at, 0.5 by default) of --max-update updates, whatever "
+                          "--ewa-schedule; give --max-update N")
     if "--max-epoch" in given:
         return [], f"length: {given['--max-epoch']} epochs (--max-epoch, given)"
     if "--max-update" in given:

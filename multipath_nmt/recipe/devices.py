@@ -35,6 +35,17 @@ def gpu_supports_bf16() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+def no_cuda_device() -> str:
+    """Why ``torch.cuda.is_available()`` is false, in words for a one-line refusal: a CPU-only
+    build of PyTorch, or a CUDA build (what pip installs on most Linux machines) that sees no GPU."""
+    import torch
+    if torch.version.cuda is None:
+        return (f"no CUDA device is visible to PyTorch {torch.__version__}, a CPU-only build; run it "
+                "on a GPU machine with a CUDA build of PyTorch")
+    return (f"no CUDA device is visible to PyTorch {torch.__version__} (built for CUDA "
+            f"{torch.version.cuda}); run it on a GPU machine")
+
+
 def choose_precision(choice: str, gpus: int, bf16: Optional[bool] = None) -> str:
     """train.sh's ``--precision`` (auto, bf16, fp16, fp32) -> the precision trained in, the same
     for every arch: ``auto`` is bf16 on GPUs that have it, fp16 on older GPUs, fp32 on the CPU.

@@ -218,8 +218,7 @@ def parse(args, python):
     """``args`` (a command line of the interpreter ``python``) as a request's kind ("module" or
     "path"), target, arguments and whether it is unbuffered: ``python [-u] -m MODULE``,
     ``python [-u] SCRIPT`` (a file) or a console script of this interpreter's environment (``#!``
-    ``python``); None for anything else: other options, and ``python -c``, whose short programs
-    may watch their parent (the prepare pipeline's fairseq-preprocess dies with its parent)."""
+    ``python``); None for anything else: other options, and ``python -c``."""
     unbuffered = args[0] == python and len(args) >= 2 and args[1] == "-u"
     if unbuffered:
         args = [args[0], *args[2:]]
@@ -358,6 +357,9 @@ def client_main(python, address):
     options, a different startup environment, no server) ``exec``s ``python`` itself."""
     args = sys.argv[1:]
     if parse([python, *args], python) is not None:
+        # Held from before the request until the command's pid is known: the command may run,
+        # and be signalled by someone who saw it run, before this process has read its pid.
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
             client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             client.connect(address)
@@ -378,11 +380,17 @@ def client_main(python, address):
 
             for signum in FORWARDED:
                 signal.signal(signum, forward)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those held are passed on now
             returncode = json.loads(client.recv(1 << 16) or b'{"returncode": -9}')["returncode"]
             if returncode < 0:
                 signal.signal(-returncode, signal.SIG_DFL)
                 os.kill(os.getpid(), -returncode)
             os._exit(returncode)
+        # the interpreter itself: a signal held meanwhile ends this process as it would end an
+        # interpreter that has not started yet
+        for signum in FORWARDED:
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.execv(python, [python, *args])
 
 

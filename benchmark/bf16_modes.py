@@ -6,14 +6,14 @@ updates of the tests' toy corpus through fairseq-train with the plug-in, single-
 per precision with the same seed and batches; printed: each precision's loss gap to fp32 per
 update (mean and largest, relative) and the relative distance of its final weights to fp32's.
 
-    .venv/bin/python docs/bench/bf16_modes.py [WORK_DIR]
+    .venv/bin/python benchmark/bf16_modes.py [WORK_DIR]
 """
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, write_toy_parallel  # noqa: E402
