@@ -1,7 +1,7 @@
 """Checkpoint averaging with the semantics of fairseq's ``scripts/average_checkpoints.py``.
 
 Differences, all deliberate: checkpoints load through the plug-in's reader
-(:func:`multipath_nmt.checkpoints.read_checkpoint`: safe ``weights_only`` loading on PyTorch >= 2.6
+(:func:`multipath_nmt.checkpoint_io.reading.read_checkpoint`: safe ``weights_only`` loading on PyTorch >= 2.6
 with the plug-in's allow-list, one line on a missing, damaged or foreign file), the mean of each
 floating-point tensor is accumulated in float64 and cast back to the tensor's own dtype (so it is
 the float64 mean rounded once), non-float tensors must be identical in every input, inputs of a
@@ -18,7 +18,10 @@ from typing import List, Optional
 import torch
 from omegaconf import OmegaConf
 
-from multipath_nmt.checkpoints import DICTIONARIES, CheckpointError, read_checkpoint, write_atomically
+from multipath_nmt.checkpoint_io.dictionaries import DICTIONARIES
+from multipath_nmt.checkpoint_io import CheckpointError
+from multipath_nmt.checkpoint_io.reading import read_checkpoint
+from multipath_nmt.checkpoint_io.writing import write_atomically
 
 
 class AveragingError(ValueError):

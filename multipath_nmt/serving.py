@@ -5,7 +5,7 @@ CTranslate2 (``pip install ctranslate2``) runs fairseq's own ``transformer`` mod
 dense architectures (``transformer_prenorm_wmt_en_de``, ``transformer_deep*_wmt_en_de``,
 ``transformer_wide_wmt_en_de``) and an EWA model folded by ``multipath-convert-ewa``.
 :func:`convert_to_ctranslate2` reads the checkpoint with the plug-in's one reader
-(:func:`multipath_nmt.checkpoints.read_checkpoint`: one clear line for every way a file fails),
+(:func:`multipath_nmt.checkpoint_io.reading.read_checkpoint`: one clear line for every way a file fails),
 refuses the models CTranslate2 cannot express (:func:`ctranslate2_obstacle` says why), and hands
 CTranslate2's own fairseq converter the checkpoint in the layout it reads (the model config as
 ``args``; a folded EWA checkpoint keeps it as a plain dict, which the converter does not take).
@@ -20,7 +20,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
-from multipath_nmt.checkpoints import architecture, model_config, read_checkpoint
+from multipath_nmt.checkpoint_io.reading import architecture, model_config, read_checkpoint
 
 
 class NotServable(ValueError):
@@ -93,7 +93,7 @@ def _as_namespace(model_cfg):
 
 def read_unless_refused(checkpoint, obstacle, error, refusal):
     """The state and model config of ``checkpoint``, read by
-    :func:`~multipath_nmt.checkpoints.read_checkpoint`; raises ``error`` with the line
+    :func:`~multipath_nmt.checkpoint_io.reading.read_checkpoint`; raises ``error`` with the line
     "CHECKPOINT: ARCH ``refusal``: REASON" when ``obstacle(model_cfg)`` gives a reason."""
     state = read_checkpoint(checkpoint)
     model_cfg = model_config(state)
@@ -108,7 +108,7 @@ def convert_to_ctranslate2(checkpoint, data_bin, output_dir, quantization=None,
     """Convert the fairseq checkpoint ``checkpoint`` (dictionaries in ``data_bin``) into a
     CTranslate2 model folder ``output_dir`` with CTranslate2's fairseq converter; ``quantization``
     as CTranslate2's (None keeps float32, "int8" ...). Raises :class:`NotServable` for a model
-    CTranslate2 cannot express, :class:`~multipath_nmt.checkpoints.CheckpointError` for a file
+    CTranslate2 cannot express, :class:`~multipath_nmt.checkpoint_io.CheckpointError` for a file
     that cannot be read. Returns ``output_dir``."""
     try:
         from ctranslate2.converters import FairseqConverter

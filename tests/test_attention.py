@@ -1,6 +1,6 @@
 """multipath_nmt.fairseq_patches.attention: decoder self-attention with is_causal instead of mask
 tensors, exact against fairseq's masked path; and what every attention call site passes to SDPA
-(multipath_nmt.attention)."""
+(multipath_nmt.benchmark.attention_calls)."""
 import warnings
 
 import pytest
@@ -9,7 +9,7 @@ from conftest import TINY_MODEL
 
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.sequence_generator import SequenceGenerator
-from multipath_nmt.attention import (
+from multipath_nmt.benchmark.attention_calls import (
     attention_calls,
     flash_attention_verdict,
     format_attention_calls,

@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq, script_env
 
 from multipath_nmt import averaging
-from multipath_nmt.checkpoints import DICTIONARIES
+from multipath_nmt.checkpoint_io.dictionaries import DICTIONARIES
 from multipath_nmt.cli.average import average, build_parser
 from multipath_nmt.scoring import multi_bleu_files, score_generate_output
 from fairseq import checkpoint_utils

@@ -24,11 +24,12 @@ import torch
 from conftest import clean_env, run_cli, run_command, run_fairseq, start_command
 from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
 
-from multipath_nmt import checkpoints
-from multipath_nmt.checkpoints import (DamagedCheckpointError, MissingCheckpointError,
-                                       NotAFairseqCheckpointError, NotAPytorchFileError,
-                                       UnregisteredArchitectureError, UntrustedCheckpointError,
-                                       read_checkpoint)
+from multipath_nmt import checkpoint_io
+from multipath_nmt.checkpoint_io import dictionaries, reading, writing
+from multipath_nmt.checkpoint_io import (DamagedCheckpointError, MissingCheckpointError,
+                                         NotAFairseqCheckpointError, NotAPytorchFileError,
+                                         UnregisteredArchitectureError, UntrustedCheckpointError)
+from multipath_nmt.checkpoint_io.reading import read_checkpoint
 
 BIN = Path(sys.executable).parent
 SAVE_EVERY = 4
@@ -164,7 +165,7 @@ def test_reader_tells_each_failure_apart(name, good, tmp_path):
         read_checkpoint(path)
     _assert_one_line(str(err.value), path)
     # the opt-in is offered only for a complete file that really pickles a foreign global
-    assert (checkpoints.TRUST_ENV in str(err.value)) == (kind is UntrustedCheckpointError)
+    assert (reading.TRUST_ENV in str(err.value)) == (kind is UntrustedCheckpointError)
 
 
 def test_missing_file_and_directory(run_dir, tmp_path):
@@ -177,9 +178,9 @@ def test_missing_file_and_directory(run_dir, tmp_path):
 
 def test_the_good_checkpoint_reads(run_dir):
     state = read_checkpoint(run_dir / "checkpoint_last.pt")
-    assert checkpoints.saved_at(state) == (1, RUN_UPDATES)
-    peeked = checkpoints.peek_checkpoint(run_dir / "checkpoint_last.pt")
-    assert checkpoints.saved_at(peeked) == (1, RUN_UPDATES)
+    assert reading.saved_at(state) == (1, RUN_UPDATES)
+    peeked = reading.peek_checkpoint(run_dir / "checkpoint_last.pt")
+    assert reading.saved_at(peeked) == (1, RUN_UPDATES)
     assert {k: v.shape for k, v in peeked["model"].items()} == {k: v.shape for k, v in state["model"].items()}
 
 
@@ -303,7 +304,7 @@ def test_same_size_dictionary_with_other_symbols_generate_and_resume(run_dir, to
     assert {p.name: _digest(p) for p in save.iterdir()} == before
 
     state = torch.load(checkpoint, weights_only=False)
-    del state[checkpoints.DICTIONARIES]
+    del state[dictionaries.DICTIONARIES]
     stock = tmp_path / "stock.pt"
     torch.save(state, stock)
     generate = run_fairseq("generate", other, "--path", stock, "--cpu", "--quiet")
@@ -351,7 +352,7 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
     from fairseq.data import Dictionary
 
     symbols = Dictionary.load(str(toy_data_bin / "dict.en.txt")).symbols
-    resumed = torch.load(save / "checkpoint_last.pt", weights_only=False)[checkpoints.DICTIONARIES]
+    resumed = torch.load(save / "checkpoint_last.pt", weights_only=False)[dictionaries.DICTIONARIES]
     assert resumed == {"source": symbols, "target": symbols}
 
 
@@ -534,13 +535,13 @@ def test_asynchronous_write_error_is_raised_in_the_training_process(tmp_path, mo
     checkpoint_utils.torch_persistent_save({"x": 1}, str(first), async_write=True)
     message = (rf"{re.escape(str(first))}: could not be written \(No space left on device, errno 28\); "
                r"the partial file was removed and the checkpoints saved before are unchanged")
-    checkpoints.asynchronous_writer.wait()
-    with pytest.raises(checkpoints.CheckpointSaveError, match=message):  # the next save
+    writing.asynchronous_writer.wait()
+    with pytest.raises(checkpoint_io.CheckpointSaveError, match=message):  # the next save
         checkpoint_utils.torch_persistent_save({"x": 2}, str(tmp_path / "checkpoint_1_8.pt"),
                                                async_write=True)
     checkpoint_utils.torch_persistent_save({"x": 3}, str(tmp_path / "checkpoint_1_12.pt"),
                                            async_write=True)
-    with pytest.raises(checkpoints.CheckpointSaveError, match="checkpoint_1_12.pt: could not be written"):
+    with pytest.raises(checkpoint_io.CheckpointSaveError, match="checkpoint_1_12.pt: could not be written"):
         PathManager.async_close()  # the end of training
     assert list(tmp_path.iterdir()) == []
 
@@ -565,17 +566,17 @@ def test_a_background_write_that_fails_once_is_written_again_by_the_next_submit(
         write_atomically(path, write)
 
     monkeypatch.setattr(atomic_files, "write_atomically", failing_once)
-    caplog.set_level("INFO", logger=checkpoints.logger.name)
-    checkpoints.asynchronous_writer.submit([last, epoch], [b"4"], "(epoch 1 @ 4 updates)")
-    checkpoints.asynchronous_writer.wait()
+    caplog.set_level("INFO", logger=writing.logger.name)
+    writing.asynchronous_writer.submit([last, epoch], [b"4"], "(epoch 1 @ 4 updates)")
+    writing.asynchronous_writer.wait()
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_1_4.pt"]
     assert [r.getMessage() for r in caplog.records] == [
         f"{last}: the background write failed (Input/output error, errno 5); training goes on, and "
         "the next save or the end of the run writes it again (the error stops training if it stays)",
         f"Saved checkpoint {epoch} (epoch 1 @ 4 updates)"]
     caplog.clear()
-    checkpoints.asynchronous_writer.submit([str(tmp_path / "checkpoint_1_8.pt")], [b"8"])
-    checkpoints.asynchronous_writer.join()
+    writing.asynchronous_writer.submit([str(tmp_path / "checkpoint_1_8.pt")], [b"8"])
+    writing.asynchronous_writer.join()
     assert caplog.records[0].getMessage() == (f"Saved checkpoint {last} (epoch 1 @ 4 updates) "
                                               "(written again after the failed write)")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {
@@ -602,14 +603,14 @@ def test_written_since_a_mark_leaves_out_earlier_asynchronous_writes_completed_a
         write_atomically(path, write)
 
     monkeypatch.setattr(atomic_files, "write_atomically", slow_for_the_earlier_save)
-    checkpoints.asynchronous_writer.submit([earlier], [b"3"])
-    mark = checkpoints.write_mark()
-    checkpoints.asynchronous_writer.submit([own, last], [b"4"])
+    writing.asynchronous_writer.submit([earlier], [b"3"])
+    mark = writing.write_mark()
+    writing.asynchronous_writer.submit([own, last], [b"4"])
     release.set()
-    checkpoints.asynchronous_writer.join()
-    assert checkpoints.written_since(mark) == [own, last]
-    checkpoints.save_atomically({"x": 5}, tmp_path / "checkpoint_1_5.pt")  # a synchronous write
-    assert checkpoints.written_since(mark) == [own, last, str(tmp_path / "checkpoint_1_5.pt")]
+    writing.asynchronous_writer.join()
+    assert writing.written_since(mark) == [own, last]
+    writing.save_atomically({"x": 5}, tmp_path / "checkpoint_1_5.pt")  # a synchronous write
+    assert writing.written_since(mark) == [own, last, str(tmp_path / "checkpoint_1_5.pt")]
 
 
 @pytest.mark.slow
@@ -647,12 +648,12 @@ def test_save_atomically_failure_keeps_the_old_file(tmp_path, monkeypatch):
         f.write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoints.torch, "save", full_disk)
-    with pytest.raises(checkpoints.CheckpointSaveError,
+    monkeypatch.setattr(writing.torch, "save", full_disk)
+    with pytest.raises(checkpoint_io.CheckpointSaveError,
                        match=r"checkpoint_last.pt: could not be written \(No space left on device, errno 28\); "
                              r"the partial file was removed .* Free disk space \(or keep fewer checkpoints: "
                              r"--keep-last-epochs, --keep-interval-updates\) and run the same command again"):
-        checkpoints.save_atomically({"new": 1}, path)
+        writing.save_atomically({"new": 1}, path)
     assert path.read_bytes() == old
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]
 
@@ -660,7 +661,7 @@ def test_save_atomically_failure_keeps_the_old_file(tmp_path, monkeypatch):
 def test_save_atomically_keeps_the_usual_permissions(tmp_path):
     plain = tmp_path / "plain"
     plain.write_bytes(b"")
-    checkpoints.save_atomically({"x": 1}, tmp_path / "saved.pt")
+    writing.save_atomically({"x": 1}, tmp_path / "saved.pt")
     assert os.stat(tmp_path / "saved.pt").st_mode == os.stat(plain).st_mode
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import TOY_BASELINE, copy_run, run_fairseq
 
 from multipath_nmt import fairseq_patches
-from multipath_nmt.checkpoints import UntrustedCheckpointError
+from multipath_nmt.checkpoint_io import UntrustedCheckpointError
 from multipath_nmt.fairseq_patches import checkpoints as checkpoint_patches
 
 

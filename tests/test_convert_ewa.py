@@ -10,7 +10,7 @@ from conftest import TINY_MODEL, run_cli, run_fairseq
 from helpers.models import build_like_fairseq_train
 
 from multipath_nmt.cli.convert_ewa import main
-from multipath_nmt.ewa_folding import NotAnEWACheckpoint, convert_ewa_checkpoint, fold_state_dict
+from multipath_nmt.ewa.folding import NotAnEWACheckpoint, convert_ewa_checkpoint, fold_state_dict
 
 GENERATE = ["--gen-subset", "test", "--beam", "2", "--max-len-a", "0", "--max-len-b", "8",
             "--batch-size", "20", "--cpu", "--no-progress-bar"]

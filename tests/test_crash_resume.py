@@ -8,7 +8,7 @@ CPU, single-threaded, a killed-and-resumed run ends bit-exactly where an uninter
 Across epoch ends too: fairseq builds the batches once, with --seed + the epoch the iterator is
 created in, so a run resumed in epoch 2 used to build other batches than the uninterrupted run
 (which keeps those of epoch 1); the plug-in builds them as in epoch 1
-(multipath_nmt/checkpoints.py).
+(multipath_nmt/checkpoint_io/).
 """
 import os
 import random
@@ -22,7 +22,7 @@ import torch
 
 from helpers.training import (MODELS, SMALL_BATCHES, assert_same_tensors, load_model_state, run,
                               run_until_killed, train_command)
-from multipath_nmt.checkpoints import read_checkpoint, saved_at
+from multipath_nmt.checkpoint_io.reading import read_checkpoint, saved_at
 
 MAX_UPDATE = 14
 SAVE_EVERY = 4

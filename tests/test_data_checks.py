@@ -1,5 +1,5 @@
 """Damaged and mismatched data-bins: one true line, before the first update, in fairseq-train and
-fairseq-generate (multipath_nmt/data_bins.py, multipath_nmt/fairseq_patches/data_bins.py).
+fairseq-generate (multipath_nmt/data_bin_checks.py, multipath_nmt/fairseq_patches/data_bins.py).
 
 Every damaged data-bin is a copy of the toy corpus' real one with one thing wrong. Stock fairseq
 0.12 runs into each with a traceback from deep inside its data loading (often only when the bad
@@ -20,7 +20,7 @@ import pytest
 from conftest import run_command, run_fairseq
 from helpers.training import SMALL_BATCHES, train_command
 
-from multipath_nmt.data_bins import (DataBinError, check_dictionary, check_indexed_file,
+from multipath_nmt.data_bin_checks import (DataBinError, check_dictionary, check_indexed_file,
                                      check_split, rebuild_advice)
 
 BIN = Path(sys.executable).parent

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multipath_nmt import ewa_training
+from multipath_nmt.ewa import training as ewa_training
 from multipath_nmt.modules.ewa import (EXPERT_TENSORS, EarlyEWAMoE, EWAFeedForward,
                                        EWASchedule, average_experts_, uniform_partition)
 from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq

@@ -21,7 +21,7 @@ import torch
 from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_cli,
                       run_fairseq)
 
-from multipath_nmt.ewa_folding import fold_state_dict
+from multipath_nmt.ewa.folding import fold_state_dict
 from multipath_nmt.params import build_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed "

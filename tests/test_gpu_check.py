@@ -20,7 +20,7 @@ from conftest import ROOT, clean_env, run_cli, script_env
 from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_check
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
-from multipath_nmt.benchmark.report import git_commit
+from multipath_nmt.benchmark.bench_report import git_commit
 from multipath_nmt.benchmark.systems import build_trainer_from_argv
 
 TINY = gpu_check.CHECK_SIZES["tiny"]
@@ -531,10 +531,13 @@ def flag_tokens(words):
     (0, {gpu_check.STOCK: "1", MULTI_PATH: "2"}, ["--amp", "--bf16", "--cpu"]),
 ])
 def test_recipe_leg_runs_train_shs_dry_run_command_with_only_the_listed_changes(
-        gpus, update_freqs, precision_flags):
+        gpus, update_freqs, precision_flags, monkeypatch):
     """What `scripts/train.sh --dry-run` prints for one GPU (a dry run needs none) or the CPU,
     with only CHANGED_FLAGS' values, the data-bin and the appended model size changed: its
-    update-freq (8 and 16 on one GPU), precision flags, optimizer, lr and criterion kept."""
+    update-freq (8 and 16 on one GPU of 6 GB, which holds micro-batches of 4,096 tokens of both
+    archs at their full size with this 1,000-type dictionary), precision flags, optimizer, lr
+    and criterion kept."""
+    monkeypatch.setenv("MULTIPATH_NMT_GPU_MEMORY_MIB", "6144")
     systems = [system_named(name) for name in update_freqs]
     with fake_data_dir(TINY["vocab"]) as dictionaries, \
             gpu_check_recipe.recipe_data(None, dictionaries, TINY,
@@ -554,9 +557,11 @@ def test_recipe_leg_runs_train_shs_dry_run_command_with_only_the_listed_changes(
                 assert changed <= set(gpu_check_recipe.CHANGED_FLAGS)
                 appended = ours[len(dry):]
                 model = gpu_check.model_flags(TINY, system)
+                # on a GPU train.sh saves every N updates already: the leg sets its interval
+                assert ("--save-interval-updates" in dict(dry)) == bool(gpus)
                 assert [f for f, _ in appended[:-len(model)]] == [
-                    "--save-interval-updates", "--validate-interval-updates", "--seed",
-                    "--log-format", "--log-interval"]
+                    *([] if gpus else ["--save-interval-updates"]),
+                    "--validate-interval-updates", "--seed", "--log-format", "--log-interval"]
                 assert argv[-len(model):] == model
                 # train.sh's own: update-freq, precision, optimizer, lr, criterion
                 for flag in ("--update-freq", "--optimizer", "--lr", "--criterion",

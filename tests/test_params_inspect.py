@@ -6,7 +6,7 @@ import torch
 from conftest import TINY_MODEL
 from torch import nn
 
-import multipath_nmt.analysis.widenet as widenet
+import multipath_nmt.analysis.layernorm_divergence as widenet
 from multipath_nmt.analysis.paths import path_diversity, path_weight_rows
 from multipath_nmt.cli import inspect as inspect_cli
 from multipath_nmt import params

@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from multipath_nmt.checkpoints import CheckpointError
-from multipath_nmt.data_bins import DataBinError
+from multipath_nmt.checkpoint_io import CheckpointError
+from multipath_nmt.data_bin_checks import DataBinError
 from multipath_nmt.fairseq_patches import checkpoints as checkpoint_patches
 from multipath_nmt.fairseq_patches import data_bins as data_bin_patches
 from multipath_nmt.fairseq_patches import numerics

@@ -15,7 +15,7 @@ import torch
 from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_cli,
                       run_fairseq)
 
-from multipath_nmt.ewa_folding import fold_state_dict
+from multipath_nmt.ewa.folding import fold_state_dict
 from multipath_nmt.params import build_model
 from multipath_nmt.serving import CTRANSLATE2_LIMITS, MOE_LIMITS, ctranslate2_obstacle, translate
 

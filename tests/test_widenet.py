@@ -4,7 +4,7 @@ import torch
 from conftest import TINY_MODEL, USER_DIR
 from torch import nn
 
-from multipath_nmt.analysis.widenet import (
+from multipath_nmt.analysis.layernorm_divergence import (
     block_divergence,
     layernorm_divergence,
     plot_layernorm_divergence,

@@ -23,8 +23,8 @@ from study_systems import (
 
 from multipath_nmt import averaging, recipe, scoring
 from multipath_nmt.atomic_files import write_atomically, write_text_atomically
-from multipath_nmt.checkpoints import read_checkpoint
-from multipath_nmt.ewa_folding import convert_ewa_checkpoint
+from multipath_nmt.checkpoint_io.reading import read_checkpoint
+from multipath_nmt.ewa.folding import convert_ewa_checkpoint
 
 # Each training and decoding process uses one device: the CPU, or one GPU (the first visible one;
 # CUDA_VISIBLE_DEVICES selects it), so the batch is the study's 2,048 tokens per update on any

@@ -20,7 +20,7 @@ same batches. One module per job, so that each measurement can be read, and chan
 - ``layers``: single layers timed where a whole model would hide the figure (targets 3-5).
 - ``harness``: :func:`run`, which measures every system round-robin, so that drifts of a noisy
   machine hit all of them alike.
-- ``report``: the targets as measured ratios, and bench.json / bench.md / bench.png.
+- ``bench_report``: the targets as measured ratios, and bench.json / bench.md / bench.png.
 - ``compiled``: ``--compiled``: each system eager and with ``--compile-layers``, side by side.
 - ``gpu_check``: the GPU check of ``scripts/gpu-check.sh``, a tool of its own on the same
   systems, batches, clock and FLOP counting; it lives here because it is built from them and,
@@ -31,7 +31,7 @@ same batches. One module per job, so that each measurement can be read, and chan
 :func:`markdown_report`, re-exported here with the line-up they take.
 """
 from multipath_nmt.benchmark.harness import run, run_compiled, run_proxies
-from multipath_nmt.benchmark.report import (
+from multipath_nmt.benchmark.bench_report import (
     markdown_report,
     write_compiled_report,
     write_proxies_report,

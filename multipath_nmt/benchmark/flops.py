@@ -81,9 +81,9 @@ def training_autocast(trainer):
 def model_gemm_shapes(trainer, sample, attention_calls=None):
     """The matrix products of one forward + backward of the trainer's model and criterion, in
     the trainer's autocast. ``attention_calls``: a dict that receives what each attention call
-    site passes to SDPA in that pass (``multipath_nmt.attention``): under autocast, as in
+    site passes to SDPA in that pass (``multipath_nmt.benchmark.attention_calls``): under autocast, as in
     training (the first GPU run recorded them in fp32, where flash attention cannot run)."""
-    from multipath_nmt.attention import attention_calls as record_attention_calls
+    from multipath_nmt.benchmark.attention_calls import attention_calls as record_attention_calls
 
     sample = trainer._prepare_sample(sample)[0]
 

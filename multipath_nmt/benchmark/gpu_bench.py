@@ -45,7 +45,7 @@ from multipath_nmt.benchmark.flops import matmul_peak_flops, training_flops_per_
 from multipath_nmt.benchmark.gpu_check_setup import check_command, model_flags
 from multipath_nmt.benchmark.memory import without_peak_resets
 from multipath_nmt.benchmark.micro_batch import update_profile
-from multipath_nmt.benchmark.report import environment
+from multipath_nmt.benchmark.bench_report import environment
 from multipath_nmt.benchmark.systems import System, build_trainer_from_argv, systems_for
 from multipath_nmt.benchmark.timing import ForwardBackwardClock, summary, time_update_windows
 from multipath_nmt.fairseq_patches.wrapping import patches_of

@@ -86,7 +86,7 @@ from multipath_nmt.benchmark.gpu_check_training import (  # noqa: F401
     MAX_GAP_OF_FALL, SyncWarnings, compare_losses, compare_precisions, compare_translations,
     compute_dtype, halvings, loss_scale_reader, train_and_watch, translations,
 )
-from multipath_nmt.benchmark.report import environment, machine_description
+from multipath_nmt.benchmark.bench_report import environment, machine_description
 from multipath_nmt.benchmark.systems import build_trainer_from_argv
 
 

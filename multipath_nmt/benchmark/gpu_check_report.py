@@ -66,7 +66,7 @@ def markdown_report(result):
 def table_lines(result):
     """The per-family table and what follows it (sync sources, failed 2-GPU runs' output,
     attention call sites)."""
-    from multipath_nmt.attention import format_attention_calls
+    from multipath_nmt.benchmark.attention_calls import format_attention_calls
 
     systems = result["systems"]
     ddp_gpus = result.get("ddp_gpus") or DDP_GPUS

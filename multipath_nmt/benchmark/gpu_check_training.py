@@ -197,8 +197,8 @@ def compare_precisions(trainer, task, samples, attention_calls=None, dtype=None)
     """Beam search with the trainer's model (a ``dtype`` copy of it where given: float16 as
     ``scripts/translate.sh`` decodes on a GPU; else as it is) against a float32 copy of the same
     weights. ``attention_calls``: a dict that receives, for the first model's beam search, what
-    each attention call site passes to SDPA (``multipath_nmt.attention``)."""
-    from multipath_nmt.attention import attention_calls as record_attention_calls
+    each attention call site passes to SDPA (``multipath_nmt.benchmark.attention_calls``)."""
+    from multipath_nmt.benchmark.attention_calls import attention_calls as record_attention_calls
 
     model = trainer.model if dtype is None else copy.deepcopy(trainer.model).to(dtype)
     samples = [trainer._prepare_sample(sample)[0] for sample in samples]

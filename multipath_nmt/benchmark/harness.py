@@ -17,7 +17,7 @@ from multipath_nmt.benchmark.flops import (
 from multipath_nmt.benchmark.layers import layer_benchmarks
 from multipath_nmt.benchmark.memory import keep_freed_memory, peak_memory_of_step
 from multipath_nmt.benchmark.micro_batch import micro_batch_profile, update_profile
-from multipath_nmt.benchmark.report import git_commit, machine_description
+from multipath_nmt.benchmark.bench_report import git_commit, machine_description
 from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
 from multipath_nmt.benchmark.timing import (
     ForwardBackwardClock,

@@ -1,11 +1,11 @@
 """multipath-convert-ewa IN OUT: fold an EWA model into a stock fairseq ``transformer`` checkpoint
-(:mod:`multipath_nmt.ewa_folding`)."""
+(:mod:`multipath_nmt.ewa.folding`)."""
 import argparse
 import os
 import sys
 
-from multipath_nmt.checkpoints import CheckpointError
-from multipath_nmt.ewa_folding import NotAnEWACheckpoint, convert_ewa_checkpoint
+from multipath_nmt.checkpoint_io import CheckpointError
+from multipath_nmt.ewa.folding import NotAnEWACheckpoint, convert_ewa_checkpoint
 
 
 def build_parser():

@@ -3,12 +3,12 @@
 Prints, per layer and sublayer, the path weights alpha, the residual weight beta and the path
 diversity |d| (Lin et al., 2022, Fig. 7), and for WideNet and pre-norm Transformer checkpoints
 the divergence of the encoder blocks' LayerNorms (WideNet Eq. 9 per block); see
-:mod:`multipath_nmt.analysis.report`.
+:mod:`multipath_nmt.analysis.inspect_report`.
 """
 import argparse
 import sys
 
-from multipath_nmt.analysis.report import inspect_checkpoint
+from multipath_nmt.analysis.inspect_report import inspect_checkpoint
 
 
 def build_parser():

@@ -5,7 +5,7 @@ run) puts them all in place; calling it again changes nothing. Each patch is a
 ``make_wrapper(original)`` put in place by :func:`multipath_nmt.fairseq_patches.wrapping.wrap`,
 which marks the wrapper with the patch's name and skips a patch already there. The code a patch
 calls, when it is more than the wiring, is library code outside this package
-(:mod:`multipath_nmt.checkpoints`, :mod:`multipath_nmt.ewa_training`,
+(:mod:`multipath_nmt.checkpoint_io`, :mod:`multipath_nmt.ewa.training`,
 :mod:`multipath_nmt.atomic_files`).
 
 ``MULTIPATH_NMT_PATCHES=off`` in the environment installs none of them (:data:`SWITCH`): fairseq

@@ -37,7 +37,7 @@ visible to queries t >= j, which are padding too: every non-padded position atte
 the keys it attended to before, and the padded positions' outputs are excluded by the loss
 (``ignore_index``). With --left-pad-target, a padded batch keeps both masks.
 ``tests/test_attention.py`` checks outputs and gradients against fairseq's own path in float64
-on the CPU, and :func:`multipath_nmt.attention.attention_calls` (printed by
+on the CPU, and :func:`multipath_nmt.benchmark.attention_calls.attention_calls` (printed by
 ``scripts/gpu-check.sh``) shows which mask each attention call site passes.
 
 Tested with fairseq 0.12.3 and torch 2.13.

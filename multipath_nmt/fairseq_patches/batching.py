@@ -37,7 +37,7 @@ import hashlib
 import inspect
 import logging
 
-from multipath_nmt.checkpoints import CheckpointError
+from multipath_nmt.checkpoint_io import CheckpointError
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 logger = logging.getLogger(__name__)

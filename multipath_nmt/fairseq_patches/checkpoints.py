@@ -1,13 +1,13 @@
-"""fairseq 0.12 reads, saves, copies and resumes checkpoints through :mod:`multipath_nmt.checkpoints`.
+"""fairseq 0.12 reads, saves, copies and resumes checkpoints through :mod:`multipath_nmt.checkpoint_io`.
 
 * ``checkpoint_utils.load_checkpoint_to_cpu`` (called by ``fairseq-train`` on resume,
   ``fairseq-generate``/``-interactive`` and our tools) becomes
-  :func:`multipath_nmt.checkpoints.read_checkpoint`: every way a file can fail is one
-  :class:`~multipath_nmt.checkpoints.CheckpointError` line that starts with its path.
+  :func:`multipath_nmt.checkpoint_io.reading.read_checkpoint`: every way a file can fail is one
+  :class:`~multipath_nmt.checkpoint_io.CheckpointError` line that starts with its path.
 * ``checkpoint_utils.torch_persistent_save`` leaves its ``.tmp`` file behind when the disk is full
   (after three attempts 2.5 s apart); local saves go through
-  :func:`multipath_nmt.checkpoints.save_atomically` instead (the partial file is removed, earlier
-  checkpoints are untouched, one-line :class:`~multipath_nmt.checkpoints.CheckpointSaveError`).
+  :func:`multipath_nmt.checkpoint_io.writing.save_atomically` instead (the partial file is removed, earlier
+  checkpoints are untouched, one-line :class:`~multipath_nmt.checkpoint_io.CheckpointSaveError`).
   With ``--write-checkpoints-asynchronously`` fairseq ``torch.save``-s straight into ioPath's
   asynchronous file, which cannot seek: with torch 2.13 and iopath 0.1.10 every such checkpoint
   is a zip archive without its central directory, unreadable. Here the checkpoint is serialized
@@ -15,7 +15,7 @@
   checkpoint in host memory until it is written).
 * ``PathManager.opena(path, "wb")`` of a local path: ioPath opens ``path`` itself (a kill leaves
   it cut short) and a write error kills its thread, logged there and never seen by training. It
-  returns a file whose bytes :data:`multipath_nmt.checkpoints.asynchronous_writer` (one
+  returns a file whose bytes :data:`multipath_nmt.checkpoint_io.writing.asynchronous_writer` (one
   background thread) writes through a temporary file renamed onto ``path``; an error is raised in
   the training process at the next save or when the writes are awaited.
 * ``checkpoint_utils.save_checkpoint`` with ``--write-checkpoints-asynchronously`` (local save
@@ -28,7 +28,7 @@
   checkpoint" line, logged before anything is written, says "Queued checkpoint"; the writer logs
   "Saved checkpoint" for each file once it is written. A file that fails is logged at once and
   written again at the next save (or the end of the run), whose error stops training if it stays
-  (:class:`multipath_nmt.checkpoints.AsynchronousWriter`); stock fairseq's ioPath writer lost the
+  (:class:`multipath_nmt.checkpoint_io.writing.AsynchronousWriter`); stock fairseq's ioPath writer lost the
   error in its thread.
 * ``PathManager.async_close`` (fairseq-train's wait at its end, and the SIGTERM stop's) also
   waits for those writes, writes failed files again and raises that error; at exit, an error
@@ -40,18 +40,18 @@
   renamed to ``checkpoint_last.pt.damaged`` (never deleted) and training resumes from the newest
   readable checkpoint of the save dir, with a warning saying how many updates are trained again.
   Whether there is a ``checkpoint_last.pt`` is asked as fairseq asks it (``PathManager.exists``),
-  and only a local file proven damaged (:func:`~multipath_nmt.checkpoints.proven_damage`) changes
+  and only a local file proven damaged (:func:`~multipath_nmt.checkpoint_io.reading.proven_damage`) changes
   fairseq's course: a first launch, ``--finetune-from-model``, ``--continue-once``, remote storage
   (iopath handlers) and any file the check cannot judge go to fairseq's ``load_checkpoint``
   unchanged, which reads through ``Trainer.load_checkpoint`` and ``PathManager`` as it always
   does.
 * ``Trainer.load_checkpoint`` and ``checkpoint_utils.load_model_ensemble_and_task``: a data-bin
   whose dictionaries do not match the checkpoint's embeddings is reported with both sizes and both
-  paths (:func:`multipath_nmt.checkpoints.check_dictionaries`) before fairseq fails on a tensor
+  paths (:func:`multipath_nmt.checkpoint_io.dictionaries.check_dictionaries`) before fairseq fails on a tensor
   shape; one of the same size whose symbols differ from those the checkpoint recorded, with the
   first token id that differs (a checkpoint that recorded none: by size, with a warning).
 * ``Trainer.state_dict`` (what every save writes): records the task's dictionaries' symbols
-  (:data:`~multipath_nmt.checkpoints.DICTIONARIES`), for that check.
+  (:data:`~multipath_nmt.checkpoint_io.dictionaries.DICTIONARIES`), for that check.
 * ``sys.excepthook``: an uncaught ``CheckpointError`` is printed as one line without a traceback
   (the process still exits with status 1).
 
@@ -75,15 +75,18 @@ import sys
 
 import torch
 
-from multipath_nmt import checkpoints
-from multipath_nmt.checkpoints import (DICTIONARIES, CheckpointError, asynchronous_writer,
-                                       check_dictionaries, dictionary_symbols, newest_readable,
-                                       peek_checkpoint, proven_damage, read_checkpoint,
-                                       save_atomically, saved_at, write_atomically)
+from multipath_nmt.checkpoint_io import CheckpointError, resume_point
+from multipath_nmt.checkpoint_io.dictionaries import (DICTIONARIES, check_dictionaries,
+                                                      dictionary_symbols)
+from multipath_nmt.checkpoint_io.reading import (peek_checkpoint, proven_damage, read_checkpoint,
+                                                 saved_at)
+from multipath_nmt.checkpoint_io.resume_point import newest_readable
+from multipath_nmt.checkpoint_io.writing import (asynchronous_writer, save_atomically,
+                                                 write_atomically)
 from multipath_nmt.fairseq_patches.wrapping import one_line_excepthook, wrap
 
-# The resume warnings keep the logger name users know them by (docs/troubleshooting.md).
-logger = checkpoints.logger
+# The resume warnings are logged as the resume point's (docs/troubleshooting.md).
+logger = resume_point.logger
 
 
 def _reader(load):

@@ -1,4 +1,4 @@
-"""fairseq 0.12 checks a translation data-bin before it trains or translates on it (:mod:`multipath_nmt.data_bins`).
+"""fairseq 0.12 checks a translation data-bin before it trains or translates on it (:mod:`multipath_nmt.data_bin_checks`).
 
 * ``TranslationTask.setup_task`` (``fairseq-train``, ``-generate``, ``-interactive``): the data-bin
   directory exists, the languages can be told (given, or inferred from the file names as fairseq
@@ -6,11 +6,11 @@
   fairseq loads them (a missing one was a ``FileNotFoundError`` traceback, a malformed one a
   ``ValueError`` or ``RuntimeError`` traceback).
 * ``TranslationTask.load_dataset``: before fairseq opens a split, every file of it is checked
-  (:func:`multipath_nmt.data_bins.check_split`): ``.idx`` against ``.bin``, every token id
+  (:func:`multipath_nmt.data_bin_checks.check_split`): ``.idx`` against ``.bin``, every token id
   against the task's dictionaries, source against target sentence count. For the training split
   every shard of a ``DATA1:DATA2`` path is checked the first time, so a damaged later shard stops
   the run before its first update rather than epochs later. A split is checked once per process.
-* ``sys.excepthook``: an uncaught :class:`~multipath_nmt.data_bins.DataBinError` is printed as
+* ``sys.excepthook``: an uncaught :class:`~multipath_nmt.data_bin_checks.DataBinError` is printed as
   one line without a traceback (the process exits with status 1), as checkpoint errors are.
 
 Reach beyond the plug-in's own models: every ``translation`` task checks its data-bin once per split
@@ -22,7 +22,7 @@ import inspect
 import os
 import sys
 
-from multipath_nmt.data_bins import DataBinError, check_dictionary, check_split, rebuild_advice
+from multipath_nmt.data_bin_checks import DataBinError, check_dictionary, check_split, rebuild_advice
 from multipath_nmt.fairseq_patches.wrapping import one_line_excepthook, wrap
 
 

@@ -2,7 +2,7 @@
 
 fairseq has no after-step hook for models, so ``Trainer.set_num_updates`` (called once after each
 successful optimizer step, and also when a checkpoint is loaded) is wrapped to call
-:func:`multipath_nmt.ewa_training.after_step`, and ``Trainer.train_step`` to tell the two apart:
+:func:`multipath_nmt.ewa.training.after_step`, and ``Trainer.train_step`` to tell the two apart:
 only a count advanced by one inside ``train_step`` is an optimizer step.
 
 Reach beyond the plug-in's own models: every ``Trainer`` sets a flag around ``train_step`` and looks
@@ -11,7 +11,7 @@ Does nothing when: the model has no EWA layer.
 """
 import functools
 
-from multipath_nmt.ewa_training import after_step
+from multipath_nmt.ewa.training import after_step
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 

@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from multipath_nmt.checkpoints import CheckpointSaveError
+from multipath_nmt.checkpoint_io import CheckpointSaveError
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 

@@ -61,7 +61,8 @@ import sys
 
 import torch
 
-from multipath_nmt.checkpoints import CheckpointError, write_mark, written_since
+from multipath_nmt.checkpoint_io import CheckpointError
+from multipath_nmt.checkpoint_io.writing import write_mark, written_since
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,9 @@
 
 fairseq checkpoints pickle an ``argparse.Namespace``: that one global is allow-listed instead of
 switching the protection off. A checkpoint that needs more fails with
-:class:`multipath_nmt.checkpoints.UntrustedCheckpointError`, which names the globals and the
+:class:`multipath_nmt.checkpoint_io.UntrustedCheckpointError`, which names the globals and the
 explicit ways to trust them (``MULTIPATH_NMT_TRUST_GLOBALS=module.Name,...``, read here, or
-:func:`multipath_nmt.checkpoints.trust_globals`).
+:func:`multipath_nmt.checkpoint_io.reading.trust_globals`).
 
 A distributed resume broadcasts rank 0's loaded state (an OmegaConf config) to the other ranks
 through ``torch.load``. That in-memory payload comes from our own process group; only the
@@ -23,7 +23,7 @@ import typing
 
 import torch
 
-from multipath_nmt.checkpoints import TRUST_ENV, trust_globals
+from multipath_nmt.checkpoint_io.reading import TRUST_ENV, trust_globals
 from multipath_nmt.fairseq_patches.wrapping import wrap
 
 # Everything a fairseq checkpoint pickles besides tensors and builtin containers.

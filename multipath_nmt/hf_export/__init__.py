@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from multipath_nmt.checkpoints import model_config
+from multipath_nmt.checkpoint_io.reading import model_config
 from multipath_nmt.serving import config_setting, model_name, read_unless_refused
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -237,7 +237,7 @@ def transformers_state_dict(fairseq_state):
 
 def build_transformers_model(state, dictionary):
     """The ``transformers`` model of the fairseq checkpoint ``state`` (read by
-    :func:`~multipath_nmt.checkpoints.read_checkpoint`), in fp32 and eval mode; every weight is
+    :func:`~multipath_nmt.checkpoint_io.reading.read_checkpoint`), in fp32 and eval mode; every weight is
     the checkpoint's (load_state_dict: nothing missing but the tied copies, nothing left over)."""
     model_cfg = model_config(state)
     config = _config(model_cfg, dictionary)
@@ -289,7 +289,7 @@ def export_to_transformers(checkpoint, data_bin, out_dir, bpe_codes=None, source
     generation_config.json, README.md (the model card) and, for a multi-path model, its remote
     code; with ``bpe_codes`` (subword-nmt's codes of the data-bin), the tokenizer
     (:mod:`multipath_nmt.hf_export.tokenizer`). Raises :class:`NotExportable` (one line) for a
-    model it cannot export, :class:`~multipath_nmt.checkpoints.CheckpointError` for a file that
+    model it cannot export, :class:`~multipath_nmt.checkpoint_io.CheckpointError` for a file that
     cannot be read. Returns ``out_dir``."""
     from transformers import GenerationConfig
 

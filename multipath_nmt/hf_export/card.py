@@ -9,7 +9,7 @@ folder or the one above it. What is not found is said to be missing.
 """
 from pathlib import Path
 
-from multipath_nmt.checkpoints import architecture, model_config
+from multipath_nmt.checkpoint_io.reading import architecture, model_config
 from multipath_nmt.serving import config_setting
 
 MODEL_SETTINGS = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "encoder_ffn_embed_dim",

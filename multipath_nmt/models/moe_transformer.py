@@ -8,7 +8,7 @@ Everything except the FFN sub-block of the chosen encoder layers is fairseq's ow
   MoE layer, :class:`~multipath_nmt.modules.moe.MoEFeedForward`).
 - ``--encoder-ffn ewa``: Experts Weights Averaging (Huang et al., 2023) in the layers chosen by
   ``--ewa-layers``; the averaging runs after every optimizer step
-  (:mod:`multipath_nmt.ewa_training`, called by :mod:`multipath_nmt.fairseq_patches.ewa_trainer`).
+  (:mod:`multipath_nmt.ewa.training`, called by :mod:`multipath_nmt.fairseq_patches.ewa_trainer`).
   ``--ewa-stop-at F`` is the paper's "early EWA" (EWA used to improve a naive MoE): the layers are
   top-1 routed MoEs (learned router, capacity, balance loss) that get the EWA update after each of
   the first F * --max-update steps, then train as plain MoEs and stay MoEs at inference (so they
@@ -29,7 +29,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from torch import nn
 
-from multipath_nmt import ewa_training
+from multipath_nmt.ewa import training as ewa_training
 from multipath_nmt.models.routing_flags import (
     DEFAULT_CAPACITY_FACTOR,
     add_routing_args,

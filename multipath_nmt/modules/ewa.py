@@ -17,6 +17,13 @@ Half-precision experts that no optimizer keeps an fp32 master of (``--memory-eff
 ``--memory-efficient-bf16``) are averaged on fp32 copies the module keeps (and saves in its state
 dict): an early update b (W_j - W_i) / (E - 1) is often below half an fp16 step of W_i, and
 averaging the fp16 weights in place would round it away at every step.
+
+This module is EWA's layer in plain PyTorch. Its fairseq side is :mod:`multipath_nmt.ewa`: the
+averaging after every optimizer step (:mod:`multipath_nmt.ewa.training`, called from fairseq-train
+by :mod:`multipath_nmt.fairseq_patches.ewa_trainer`) and the folding of a trained checkpoint
+(:mod:`multipath_nmt.ewa.folding`, ``multipath-convert-ewa``). The architectures are
+``ewa_transformer_wmt_en_de`` and ``ewa_early_transformer_wmt_en_de`` of
+:mod:`multipath_nmt.models.moe_transformer`.
 """
 import math
 

@@ -2,7 +2,7 @@
 decoding defaults, as the fairseq-train and fairseq-generate command lines that
 ``scripts/train.sh``, ``scripts/translate.sh`` and the Multi30k study run: learning rate, warm-up
 and batch per architecture (:mod:`.archs`, an explicit table), the batch split over GPUs
-(:mod:`.batch`) in micro-batches that the GPU's memory holds (:mod:`.memory_model`), which embeddings are shared (:mod:`.data_bin`), the device and precision
+(:mod:`.batch`) in micro-batches that the GPU's memory holds (:mod:`.memory_model`), which embeddings are shared (:mod:`.embedding_sharing`), the device and precision
 (:mod:`.devices`), the launcher for several processes (:mod:`.launcher`), the command lines
 (:mod:`.commands`) and translate.sh's output files (:mod:`.translation`).
 
@@ -26,7 +26,7 @@ from multipath_nmt.recipe.batch import DEFAULT_MAX_TOKENS, BatchPlan, batch_plan
 from multipath_nmt.recipe.commands import (DECODING, RECIPE_DROPOUT, RECIPE_EPOCHS,
                                            READ_FAIRSEQ_FLAGS, TRAIN_SH_FLAGS, USER_DIR, Command,
                                            generate_command, train_command, training_length)
-from multipath_nmt.recipe.data_bin import (UNSHARED_LANGUAGE_PAIRS, dictionary_files,
+from multipath_nmt.recipe.embedding_sharing import (UNSHARED_LANGUAGE_PAIRS, dictionary_files,
                                            embedding_sharing)
 from multipath_nmt.recipe.devices import (PRECISION_NOTES, PRECISIONS, choose_precision,
                                           ddp_on_cpu, gpu_count, gpu_supports_bf16,

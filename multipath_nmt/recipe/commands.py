@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from multipath_nmt.recipe.archs import RecipeError, criterion_for_arch, recipe_for_arch
 from multipath_nmt.recipe.batch import DEFAULT_MAX_TOKENS, batch_plan
-from multipath_nmt.recipe.data_bin import dictionary_files, embedding_sharing
+from multipath_nmt.recipe.embedding_sharing import dictionary_files, embedding_sharing
 from multipath_nmt.recipe.devices import (PRECISION_NOTES, PRECISIONS, choose_precision,
                                           ddp_on_cpu, gpu_count)
 from multipath_nmt.recipe.launcher import LAUNCHER_NOTE, launcher_arguments

@@ -9,7 +9,9 @@ the EWA model does in eval mode.
 """
 import re
 
-from multipath_nmt.checkpoints import DICTIONARIES, read_checkpoint, save_atomically
+from multipath_nmt.checkpoint_io.dictionaries import DICTIONARIES
+from multipath_nmt.checkpoint_io.reading import read_checkpoint
+from multipath_nmt.checkpoint_io.writing import save_atomically
 
 EWA_KEY = re.compile(r"^(encoder\.layers\.\d+\.)ffn\.(fc[12])_(weight|bias)$")
 # fp32 copies of half-precision experts (--memory-efficient-fp16 training state)

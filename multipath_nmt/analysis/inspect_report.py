@@ -1,19 +1,19 @@
 """The report of ``multipath-inspect``: the path weights and path diversity of a trained
 checkpoint (:mod:`multipath_nmt.analysis.paths`) and, for WideNet and pre-norm Transformer
 checkpoints, the divergence of the encoder blocks' LayerNorms
-(:mod:`multipath_nmt.analysis.widenet`), as Markdown tables."""
+(:mod:`multipath_nmt.analysis.layernorm_divergence`), as Markdown tables."""
 import math
 import os
 from typing import List, Optional
 
-from multipath_nmt.analysis import widenet
+from multipath_nmt.analysis import layernorm_divergence
 from multipath_nmt.analysis.paths import path_weight_rows, plot_path_diversity
-from multipath_nmt.checkpoints import read_checkpoint
+from multipath_nmt.checkpoint_io.reading import read_checkpoint
 
 
 def _widenet_rows(state_dict) -> List[dict]:
     try:
-        return widenet.layernorm_divergence(state_dict)
+        return layernorm_divergence.layernorm_divergence(state_dict)
     except ValueError:  # no per-layer encoder LayerNorms, or post-norm ones
         return []
 
@@ -44,7 +44,7 @@ def format_generic_rows(rows: List[dict]) -> str:
 
 def inspect_checkpoint(path, plot: Optional[str] = None) -> str:
     """The report for the checkpoint at ``path``; draws |d| per layer to ``plot`` if given.
-    Raises ValueError (a :class:`~multipath_nmt.checkpoints.CheckpointError` for an unreadable
+    Raises ValueError (a :class:`~multipath_nmt.checkpoint_io.CheckpointError` for an unreadable
     file) saying what is wrong."""
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint file {path}")
