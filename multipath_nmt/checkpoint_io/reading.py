@@ -133,7 +133,7 @@ def _explain_failure(path, err):
                 path, f"pickles {', '.join(names)}, which safe loading (torch.load "
                       "weights_only=True) does not allow and a fairseq checkpoint does not need. If "
                       f"you trust this file, allow it explicitly with {TRUST_ENV}={','.join(names)} "
-                      "(or multipath_nmt.checkpoints.trust_globals(...) in Python)")
+                      "(or multipath_nmt.checkpoint_io.reading.trust_globals(...) in Python)")
         detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
         reason = detail.group(1).strip().rstrip(".") if detail else _torch_reason(err)
         return DamagedCheckpointError(path, f"damaged or truncated checkpoint (its pickled data "

@@ -56,7 +56,7 @@
   (the process still exits with status 1).
 
 Reach beyond the plug-in's own models: every fairseq checkpoint read, save and local copy goes
-through ``multipath_nmt.checkpoints`` (same files, same contents); ``PathManager.opena(path, "wb")``
+through ``multipath_nmt.checkpoint_io`` (same files, same contents); ``PathManager.opena(path, "wb")``
 of a local path returns a file written in the background through a temporary file, and
 ``PathManager.async_close`` also waits for it; the hook is in every process, but acts only in a
 command-line tool (``fairseq_cli.*``, ``fairseq-*``, ``multipath-*``; narrowed: a user's script, a
