@@ -208,8 +208,9 @@ def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_p
     assert words[words.index("--keep-interval-updates") + 1] == "1"
     _, saved = load_model_state(save / "checkpoint_last.pt")
     assert saved in (7, 14)  # mid-epoch
+    # and the save dir's lock file, which a SIGKILL leaves behind (its lock went with the process)
     assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_%d.pt" % saved,
-                                                     "checkpoint_last.pt"]
+                                                     "checkpoint_last.pt", "fairseq-train.lock"]
 
 
 def _sentences_per_update(output):

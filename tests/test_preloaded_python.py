@@ -287,8 +287,11 @@ def test_a_signal_to_the_shim_is_one_to_its_command(tmp_path, how):
     results = []
     for python in (script_python(), sys.executable):
         pids = tmp_path / f"pids-{len(results)}"
+        # started as a terminal's foreground job: with SIGINT's default disposition, whatever
+        # this test process has (a shell's background job has SIGINT ignored, and so would both)
         proc = subprocess.Popen([python, script, handling, pids], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=clean_env())
+                                stderr=subprocess.STDOUT, text=True, env=clean_env(),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         first = proc.stdout.readline(), proc.stdout.readline()
         while not pids.exists() or not pids.read_text():
             time.sleep(0.05)
@@ -313,3 +316,24 @@ def test_a_signal_to_the_shim_is_one_to_its_command(tmp_path, how):
         assert rest.endswith("    time.sleep(60)\nKeyboardInterrupt\n") and code == -signum
     else:
         assert (rest, code) == ("", -signum)
+
+
+def test_a_command_started_with_sigint_ignored_ignores_it_as_the_interpreter_does(tmp_path):
+    """A non-interactive shell starts its background jobs (``make test &``) with SIGINT ignored,
+    and a fresh interpreter then never raises KeyboardInterrupt; a forked command keeps that, as it
+    keeps the default otherwise (the server's own disposition is not the command's)."""
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_FOR_A_SIGNAL)
+    results = []
+    for python in (script_python(), sys.executable):
+        proc = subprocess.Popen([python, script, "default"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=clean_env(),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        first = proc.stdout.readline(), proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        running = proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        results.append((first, running, proc.stdout.read(), proc.wait()))
+        proc.stdout.close()
+    assert results[0] == results[1] == (("to stderr\n", "ready\n"), True, "", -signal.SIGTERM)

@@ -131,8 +131,11 @@ def _run_child(request, pipe, client, fds, fairseq_logging):
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        # The server's own signal dispositions and exit functions are not the command's.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # The server's own signal dispositions and exit functions are not the command's. A fresh
+        # interpreter raises KeyboardInterrupt on SIGINT unless it started with SIGINT ignored,
+        # as a non-interactive shell starts its background jobs: the command's starter says which.
+        signal.signal(signal.SIGINT, signal.SIG_IGN if request.get("sigint_ignored")
+                      else signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         atexit._clear()
         # the Python processes the command starts (torchrun's workers, a benchmark's runs) are
@@ -356,6 +359,7 @@ def client_main(python, address):
     it takes the command along (:func:`_die_with`). Anything the server does not fork (other
     options, a different startup environment, no server) ``exec``s ``python`` itself."""
     args = sys.argv[1:]
+    sigint_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as this process started
     if parse([python, *args], python) is not None:
         # Held from before the request until the command's pid is known: the command may run,
         # and be signalled by someone who saw it run, before this process has read its pid.
@@ -364,7 +368,7 @@ def client_main(python, address):
             client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             client.connect(address)
             request = {"python": python, "argv": args, "env": dict(os.environ),
-                       "cwd": os.getcwd()}
+                       "cwd": os.getcwd(), "sigint_ignored": sigint_ignored}
             socket.send_fds(client, [json.dumps(request).encode()], [0, 1, 2])
             answer = json.loads(client.recv(1 << 16) or b"{}")
         except OSError:
@@ -502,7 +506,8 @@ class PreloadedPython:
         or the files ``output_files`` names (``stdout``, ``stderr``); returns the child's pid."""
         self._start()
         request = {**parse(args, sys.executable), "env": dict(env),
-                   "cwd": str(cwd or os.getcwd()), "pipe": pipe is not None, **output_files}
+                   "cwd": str(cwd or os.getcwd()), "pipe": pipe is not None, **output_files,
+                   "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         if pipe is not None:
