@@ -93,7 +93,8 @@ def test_train_sh_on_two_ranks_trains_stops_on_sigterm_and_resumes_exactly(famil
     assert at <= stopped_at < MAX_UPDATE
     assert output.count(f"SIGTERM: stopped after update {stopped_at} (epoch 1") == 1
     assert len(re.findall(r"Saved checkpoint \S+checkpoint_last\.pt", output)) == 1  # rank 0, once
-    assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["checkpoint_last.pt"]
+    assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == [
+        "checkpoint_last.pt", "train-sh-batch.json"]  # and train.sh's record of its micro-batch
 
     resumed = run(command, timeout=TIMEOUT)
     assert f"(epoch 1 @ {stopped_at} updates)" in resumed
@@ -210,7 +211,8 @@ def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_p
     assert saved in (7, 14)  # mid-epoch
     # and the save dir's lock file, which a SIGKILL leaves behind (its lock went with the process)
     assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_%d.pt" % saved,
-                                                     "checkpoint_last.pt", "fairseq-train.lock"]
+                                                     "checkpoint_last.pt", "fairseq-train.lock",
+                                                     "train-sh-batch.json"]
 
 
 def _sentences_per_update(output):

@@ -2,6 +2,7 @@
 and 16 GPUs (MULTIPATH_NMT_NUM_GPUS) with the arithmetic printed, --batch-tokens, the CPU
 fallback, the embedding sharing per data-bin (En-Fr: none), pass-through overrides, bad input, and
 one real 2-update run."""
+import json
 import re
 import shlex
 import sys
@@ -419,6 +420,37 @@ def test_real_two_update_run(toy_data_bin, tmp_path):
     assert tuple(cfg["optimization"]["lr"]) == (0.001,) and cfg["optimizer"]["adam_betas"] == "(0.9, 0.997)"
     assert cfg["lr_scheduler"]["warmup_updates"] == 8000 and cfg["criterion"]["label_smoothing"] == 0.1
     assert cfg["common"]["cpu"] and not cfg["common"]["fp16"]
+    # the micro-batch the run trained with, for a resume on another number of GPUs
+    assert json.loads((save_dir / "train-sh-batch.json").read_text()) == {"max_tokens": 256}  # 4,096 / 16
+
+
+def test_a_resume_keeps_the_micro_batch_of_the_run_it_resumes(fake_data_bin, tmp_path):
+    """A resume mid-epoch on another number of GPUs continues the epoch only with the same batches:
+    on 4 H200s base would take 8,192 tokens a micro-batch, but the run that saved on 8 took 4,096,
+    so the resume keeps 4,096 (x 2). Without checkpoint_last.pt the record is not read; a record
+    that the card cannot hold is not kept."""
+    save = tmp_path / "save"
+    save.mkdir()
+    (save / "train-sh-batch.json").write_text('{"max_tokens": 4096}')
+
+    def plan(card_mib="143771"):
+        env = script_env(MULTIPATH_NMT_NUM_GPUS="4", MULTIPATH_NMT_BF16="1",
+                         MULTIPATH_NMT_GPU_MEMORY_MIB=card_mib)
+        proc = run_cli(["bash", TRAIN_SH, fake_data_bin, save, "--arch",
+                        "transformer_prenorm_wmt_en_de", "--dry-run"], env=env)
+        flags = _flags(proc)[1]
+        return (flags["--max-tokens"], flags["--update-freq"]), proc.stdout
+
+    assert plan()[0] == ("8192", "1")  # no checkpoint_last.pt: a new run
+    (save / "checkpoint_last.pt").write_bytes(b"")
+    batch, printed = plan()
+    assert batch == ("4096", "2")
+    assert (f"train.sh: micro-batch: 4,096 tokens, each worker's share cut into equal parts of "
+            f"at most 4,096: the micro-batch of the run that saved checkpoint_last.pt "
+            f"({save / 'train-sh-batch.json'}), so that a resume on another number of GPUs has "
+            f"its batches; --max-tokens N to change it") in printed
+    (save / "train-sh-batch.json").write_text('{"max_tokens": 16384}')
+    assert plan("12288")[0] == ("4096", "2")  # 12 GB hold 7,241: the memory's cap
 
 
 @pytest.mark.parametrize("script", ["train.sh", "translate.sh"])

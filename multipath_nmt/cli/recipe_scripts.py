@@ -9,6 +9,7 @@ from typing import List
 
 from multipath_nmt.recipe import (LAUNCHER_MODULE, RecipeError, finish_translation,
                                   generate_command, run_launcher, train_command)
+from multipath_nmt.recipe.commands import record_batch
 
 
 def _train_sh(args: List[str], dry_run: bool) -> None:
@@ -20,6 +21,7 @@ def _train_sh(args: List[str], dry_run: bool) -> None:
         print(f"train.sh: {line}", flush=True)
     if not dry_run:
         os.makedirs(save_dir, exist_ok=True)
+        record_batch(save_dir, command.argv)
         if command.argv[1:3] == ["-m", LAUNCHER_MODULE]:
             sys.exit(run_launcher(command.argv))
         os.execv(command.argv[0], command.argv)

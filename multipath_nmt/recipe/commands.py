@@ -1,11 +1,13 @@
 """The fairseq-train and fairseq-generate command lines of train.sh and translate.sh: the recipe's
 flags, the batch, the device and the launcher, then the user's arguments, which override them."""
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from multipath_nmt.atomic_files import write_text_atomically
 from multipath_nmt.recipe.archs import RecipeError, criterion_for_arch, recipe_for_arch
 from multipath_nmt.recipe.batch import DEFAULT_MAX_TOKENS, batch_plan
 from multipath_nmt.recipe.embedding_sharing import dictionary_files, embedding_sharing
@@ -183,21 +185,52 @@ def _train_arguments(args: Sequence[str]) -> Tuple[str, dict, List[str]]:
     return arch, options, passed_on
 
 
-def _micro_batch_cap(arch, dictionaries, shared, passed_on, options, gpus, on_cpu):
+# The micro-batch a run trained with, in its save dir (written by train.sh before it starts
+# fairseq-train): a resume mid-epoch on another number of GPUs continues the epoch only with the
+# same batches (multipath_nmt/fairseq_patches/batching.py), so it keeps that max-tokens rather
+# than the one the new GPU count would be given.
+BATCH_RECORD = "train-sh-batch.json"
+
+
+def recorded_max_tokens(save_dir) -> Optional[int]:
+    """The max-tokens recorded in ``save_dir`` by the run that saved its checkpoint_last.pt."""
+    record = Path(save_dir) / BATCH_RECORD
+    if not (Path(save_dir) / "checkpoint_last.pt").exists() or not record.is_file():
+        return None
+    try:
+        return int(json.loads(record.read_text())["max_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def record_batch(save_dir, argv: Sequence[str]) -> None:
+    """Write the max-tokens of fairseq-train's ``argv`` to ``save_dir``'s :data:`BATCH_RECORD`."""
+    max_tokens = int(argv[list(argv).index("--max-tokens") + 1])  # train.sh gives it once
+    write_text_atomically(Path(save_dir) / BATCH_RECORD, json.dumps({"max_tokens": max_tokens}))
+
+
+def _micro_batch_cap(arch, dictionaries, shared, passed_on, options, gpus, on_cpu, save_dir):
     """The largest micro-batch (max-tokens) a worker may take, and where it comes from: the
     user's ``--max-tokens``; on GPUs, the largest that fits the card's memory
-    (:mod:`.memory_model`); else :data:`DEFAULT_MAX_TOKENS`."""
+    (:mod:`.memory_model`), else :data:`DEFAULT_MAX_TOKENS`; a resume keeps the micro-batch of
+    the run it resumes where that fits (:data:`BATCH_RECORD`)."""
     given = _positive_int("max-tokens", options.get("max_tokens"))
     if given is not None:
         return given, "--max-tokens given (a cap)"
     if gpus and (not on_cpu or "MULTIPATH_NMT_GPU_MEMORY_MIB" in os.environ):
-        tokens, source = planned_max_tokens(arch, dictionaries, shared, passed_on)
-        if tokens < 1:
+        cap, source = planned_max_tokens(arch, dictionaries, shared, passed_on)
+        if cap < 1:
             raise RecipeError(f"{arch} does not fit this GPU's memory ({source}); give "
                               f"--max-tokens N to try a micro-batch anyway")
-        return tokens, source
-    return DEFAULT_MAX_TOKENS, (f"the default for CPU processes ({DEFAULT_MAX_TOKENS:,}; "
-                                f"--max-tokens N to change it)")
+    else:
+        cap, source = DEFAULT_MAX_TOKENS, (f"the default for CPU processes "
+                                           f"({DEFAULT_MAX_TOKENS:,}; --max-tokens N to change it)")
+    recorded = recorded_max_tokens(save_dir)
+    if recorded is not None and recorded <= cap:
+        return recorded, (f"the micro-batch of the run that saved checkpoint_last.pt "
+                          f"({Path(save_dir) / BATCH_RECORD}), so that a resume on another "
+                          f"number of GPUs has its batches; --max-tokens N to change it")
+    return cap, source
 
 
 def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] = None,
@@ -224,7 +257,7 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
     on_cpu = gpus and ddp_on_cpu()
     workers = gpus * nodes
     cap, micro_batch = _micro_batch_cap(arch, dictionaries, bool(sharing), passed_on, options,
-                                        gpus, on_cpu)
+                                        gpus, on_cpu, save_dir)
     plan = batch_plan(recipe, workers, cap,
                       _positive_int("--batch-tokens", options.get("batch_tokens")),
                       _positive_int("--update-freq", options.get("update_freq")))
