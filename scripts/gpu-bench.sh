@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU benchmark (BENCHMARKS.md, "On a GPU"): on one CUDA GPU, training tokens/s of stock
 # fairseq 0.12 (the anchor: its transformer, pre-norm 6+6, --fp16, --optimizer adam, without the
-# plug-in's patches) and of every architecture family through the command scripts/train.sh runs
-# (its precision, adam_fused, the plug-in), eager and --compile-layers for the base and
-# multi-path 6x4 models, and beam-4 decoding as scripts/translate.sh runs it. Each row in a
-# process of its own; 348 s on one H200 (BENCHMARKS.md).
+# plug-in's patches) and of the base, Deep24 and multi-path 6x4 models through the command
+# scripts/train.sh runs (its precision, adam_fused, the plug-in) at 4,096-token micro-batches and
+# at train.sh's micro-batch for one card of this GPU (the anchor too, at the base model's), then
+# --compile-layers and the routed families, and beam-4 decoding as scripts/translate.sh runs it.
+# Each row in a process of its own; rows start within 300 s and stop at 120 s, so one call ends
+# within 8 minutes.
 #   scripts/gpu-bench.sh [--out DIR] [--only ROW ...] [--precision P] [--commit SHA]
 #                        [--device cpu --size tiny]   (the report's form, on the CPU)
 # Writes DIR/gpu-bench.json (device, driver, torch and CUDA versions, commit, every row's
