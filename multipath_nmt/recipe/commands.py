@@ -60,22 +60,21 @@ RECIPE_EPOCHS = 20
 RECIPE_DROPOUT = ["--attention-dropout", "0.1", "--activation-dropout", "0.1"]
 
 
-def _given_lengths(passed_on: Sequence[str]) -> dict:
-    """The length flags among fairseq-train's arguments, with their values."""
+def _given_flags(passed_on: Sequence[str], names: Sequence[str]) -> dict:
+    """The flags ``names`` among fairseq-train's arguments, with their values."""
     given = {}
     for index, word in enumerate(passed_on):
         name, equals, value = word.partition("=")
-        if name in _LENGTH_FLAGS:
-            given[name] = value if equals else passed_on[index + 1]
+        if name in names:
+            given[name] = value if equals or index + 1 == len(passed_on) else passed_on[index + 1]
     return given
 
 
 def training_length(arch: str, passed_on: Sequence[str]) -> Tuple[List[str], str]:
     """The length flags to add (the recipe's ``--max-epoch 20`` when none is given) and the line
     train.sh prints about the length."""
-    given = _given_lengths(passed_on)
-    early_ewa = arch.startswith("ewa_early") or any(
-        word.partition("=")[0] == "--ewa-stop-at" for word in passed_on)
+    given = _given_flags(passed_on, (*_LENGTH_FLAGS, "--ewa-stop-at"))
+    early_ewa = arch.startswith("ewa_early") or "--ewa-stop-at" in given
     if early_ewa and "--max-update" not in given:
         raise RecipeError(f"{arch}: early EWA averages the experts during the first fraction "
                           "(--ewa-stop-at, 0.5 by default) of --max-update updates, whatever "
@@ -137,7 +136,7 @@ def periodic_save(recipe_name: str, tokens_per_update: int, gpus: int, passed_on
                   minutes: Optional[str]) -> Tuple[List[str], str]:
     """The flags that save checkpoint_last.pt about every ``minutes`` (default
     :data:`SAVE_INTERVAL_MINUTES`; 0: none) and train.sh's line about it."""
-    if any(word.split("=")[0] == "--save-interval-updates" for word in passed_on):
+    if _given_flags(passed_on, ("--save-interval-updates",)):
         return [], "periodic save: --save-interval-updates given"
     try:
         minutes = SAVE_INTERVAL_MINUTES if minutes is None else float(minutes)
