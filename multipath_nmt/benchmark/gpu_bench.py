@@ -136,13 +136,11 @@ def one_card_plan(data_dir, size, system, device):
 
     from multipath_nmt.recipe import memory_model
 
-    flags = model_flags(size, system)
-    card_mib = memory_model.gpu_memory_mib() if device == "cuda" else size["card_mib"]
     dictionaries = recipe.dictionary_files(Path(data_dir), "src", "tgt")
-    cap, _ = memory_model.planned_max_tokens(system.arch, dictionaries, True, flags, card_mib)
-    plan = recipe.batch_plan(recipe.recipe_for_arch(system.arch), 1, cap,
-                             batch_tokens=size["card_update_tokens"])
-    estimate = memory_model.estimate(system.arch, dictionaries, True, flags)
+    estimate = memory_model.estimate(system.arch, dictionaries, True, model_flags(size, system))
+    card_mib = memory_model.gpu_memory_mib()[0] if device == "cuda" else size["card_mib"]
+    plan = recipe.batch_plan(recipe.recipe_for_arch(system.arch), 1,
+                             estimate.max_tokens(card_mib), batch_tokens=size["card_update_tokens"])
     return plan, estimate
 
 

@@ -26,7 +26,7 @@ and measured peak, so the margin is checked on every GPU it runs on (docs/gpu.md
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from multipath_nmt.recipe.archs import RecipeError
 
@@ -147,31 +147,27 @@ def estimate(arch: str, dictionaries: Sequence[Path], shared_embeddings: bool,
     return MemoryEstimate(STATIC_BYTES_PER_PARAM * params, per_token)
 
 
-def gpu_memory_mib() -> int:
-    """``MULTIPATH_NMT_GPU_MEMORY_MIB`` if set, else the first CUDA GPU's total memory."""
+def gpu_memory_mib() -> Tuple[int, str]:
+    """(MiB, where from): ``MULTIPATH_NMT_GPU_MEMORY_MIB`` if set, else the first CUDA GPU's total
+    memory."""
     value = os.environ.get("MULTIPATH_NMT_GPU_MEMORY_MIB")
     if value is not None:
         if not value.isdigit() or int(value) < 1:
             raise RecipeError(f"MULTIPATH_NMT_GPU_MEMORY_MIB must be a positive number of MiB, "
                               f"got '{value}'")
-        return int(value)
+        return int(value), "MULTIPATH_NMT_GPU_MEMORY_MIB"
     import torch
-    return torch.cuda.get_device_properties(0).total_memory // MIB
-
-
-def memory_source() -> str:
-    return ("MULTIPATH_NMT_GPU_MEMORY_MIB" if "MULTIPATH_NMT_GPU_MEMORY_MIB" in os.environ
-            else "the GPU's memory")
+    return torch.cuda.get_device_properties(0).total_memory // MIB, "the GPU's memory"
 
 
 def planned_max_tokens(arch: str, dictionaries: Sequence[Path], shared_embeddings: bool,
                        passed_on: Sequence[str], card_mib: Optional[int] = None):
     """(the largest micro-batch the GPU holds for ``arch``, the words saying where it comes
-    from)."""
-    card_mib = gpu_memory_mib() if card_mib is None else card_mib
+    from); ``card_mib``: that card's memory instead of :func:`gpu_memory_mib`'s."""
+    card_mib, source = gpu_memory_mib() if card_mib is None else (card_mib, "a card of that size")
     model = estimate(arch, dictionaries, shared_embeddings, passed_on)
     tokens = model.max_tokens(card_mib)
-    return tokens, (f"the micro-batch that fits {card_mib:,} MiB ({memory_source()}) with a "
+    return tokens, (f"the micro-batch that fits {card_mib:,} MiB ({source}) with a "
                     f"{1 / MARGIN:.0f}x margin: {model.static_bytes / MIB:,.0f} MiB of weights "
                     f"and optimizer state + {model.bytes_per_token / 1024:,.0f} KiB per token "
                     f"(multipath_nmt/recipe/memory_model.py)")
