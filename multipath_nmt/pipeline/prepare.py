@@ -31,6 +31,7 @@ Table 1's sizes).
 """
 import http.client
 import io
+import logging
 import os
 import shutil
 import sys
@@ -59,7 +60,7 @@ from multipath_nmt.pipeline.text import (  # noqa: F401
     NON_PRINTING, _bpe_chunk, _chunks, _init_bpe, _init_tokenizer,
     _tokenize_chunk, clean_pair, map_file, moses_tokenize, remove_non_printing,
 )
-from multipath_nmt.pipeline.tethered import run_module
+from multipath_nmt.pipeline.tethered import tether_children
 from multipath_nmt.pipeline.wmt import ARCHIVES, TASKS
 from multipath_nmt.scoring import sgm_to_text  # noqa: F401
 
@@ -70,6 +71,40 @@ DOWNLOAD_RETRIES, RETRY_WAIT = 5, 2.0
 
 
 # ------------------------------------------------------------------------ the common stages
+
+# fairseq-preprocess's log lines, as its command prints them
+FAIRSEQ_LOG_FORMAT = logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+                                       "%Y-%m-%d %H:%M:%S")
+
+
+def fairseq_preprocess(args):
+    """``fairseq-preprocess ARGS`` in this process, as its command runs it, with its log on stderr
+    (stdout stays free, as in every stage) and its ``--workers`` dying with this process
+    (:func:`~multipath_nmt.pipeline.tethered.tether_children`). A failure raises PrepareError."""
+    from fairseq import options
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    import fairseq_cli.preprocess  # its first import points the root logger at stdout: undone here
+
+    root.handlers[:] = handlers
+    to_stderr = logging.StreamHandler(sys.stderr)
+    to_stderr.setFormatter(FAIRSEQ_LOG_FORMAT)
+    root.addHandler(to_stderr)
+    root.setLevel(logging.INFO)
+    file_handlers = len(fairseq_cli.preprocess.logger.handlers)
+    tether_children()
+    try:
+        fairseq_cli.preprocess.main(options.get_preprocessing_parser().parse_args(args))
+    except Exception as error:
+        raise PrepareError(f"fairseq-preprocess failed: {type(error).__name__}: {error}") from error
+    finally:
+        for handler in fairseq_cli.preprocess.logger.handlers[file_handlers:]:  # its preprocess.log
+            fairseq_cli.preprocess.logger.removeHandler(handler)
+            handler.close()
+        root.removeHandler(to_stderr)
+        root.setLevel(level)
+
 
 def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, raw_params):
     """raw/ -> tok/ -> bpe/ -> clean/ -> OUT (binarized for the direction src -> tgt)."""
@@ -132,10 +167,8 @@ def process_text(raw_text, work_dir, out, langs, src, tgt, bpe_merges, workers, 
                 "--trainpref", str(clean_dir / "train"), "--validpref", str(clean_dir / "valid"),
                 "--testpref", str(clean_dir / "test"), "--destdir", str(tmp), "--joined-dictionary",
                 "--workers", str(workers)]
-        log("  " + " ".join([sys.executable, "-m", "fairseq_cli.preprocess", *args]))
-        status = run_module("fairseq_cli.preprocess", args)
-        if status != 0:
-            raise PrepareError(f"fairseq-preprocess failed with exit code {status} (its log is above)")
+        log("  " + " ".join(["fairseq-preprocess", *args]))
+        fairseq_preprocess(args)
         shutil.copyfile(bpe / "codes", tmp / "bpecodes")
         for lang in langs:  # the references as released, for sacreBLEU (multipath-score --raw-ref)
             shutil.copyfile(raw_text / f"test.{lang}", tmp / f"test.raw.{lang}")

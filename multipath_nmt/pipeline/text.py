@@ -1,6 +1,6 @@
 """Per-line text processing of ``multipath-prepare`` (see :mod:`multipath_nmt.pipeline.prepare`):
 the Moses scripts (sacremoses ports), clean-corpus-n.perl, and the worker pools that run them and
-subword-nmt's BPE over a file in chunks, each worker dying with multipath-prepare
+subword-nmt's BPE over a file in chunks, each worker dying with the process that started it
 (:mod:`multipath_nmt.pipeline.tethered`).
 """
 import multiprocessing
@@ -11,7 +11,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 from subword_nmt.apply_bpe import BPE
 
 from multipath_nmt.pipeline.stages import Progress, read_lines
-from multipath_nmt.pipeline.tethered import die_with_pool_parent
+from multipath_nmt.pipeline.tethered import tether_children
 
 CHUNK_LINES = 2000
 # clean-corpus-n.perl arguments used by fairseq's WMT scripts: -ratio 1.5 CORPUS L1 L2 OUT 1 250
@@ -69,11 +69,6 @@ def _bpe_chunk(lines):
     return [_worker["bpe"].process_line(line) for line in lines]
 
 
-def _start_worker(init, *init_args):
-    die_with_pool_parent()
-    init(*init_args)
-
-
 def _chunks(lines, size):
     lines = iter(lines)
     while chunk := list(islice(lines, size)):
@@ -89,8 +84,8 @@ def map_file(src, dst, func, init, init_args, workers, label, chunk_lines=CHUNK_
             progress.update(len(chunk))
 
         if workers > 1:
-            with multiprocessing.Pool(workers, initializer=_start_worker,
-                                      initargs=(init, *init_args)) as pool:
+            tether_children()
+            with multiprocessing.Pool(workers, initializer=init, initargs=init_args) as pool:
                 for chunk in pool.imap(func, _chunks(read_lines(src), chunk_lines), chunksize=1):
                     write(chunk)
         else:
