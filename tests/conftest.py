@@ -282,6 +282,16 @@ def toy_ewa_run(trains, toy_data_bin, tmp_path_factory):
     return built_once(tmp_path_factory, "toy-ewa", build) / "ckpt"
 
 
+@pytest.fixture(scope="session")
+def toy_learned_baseline_run(trains, toy_data_bin, tmp_path_factory):
+    """The save dir of the pre-norm baseline (TOY_BASELINE) after 300 updates that learn the toy
+    task (FAST_LEARNING): checkpoint_last.pt, for the tests that compare translations."""
+    def build(root):
+        run_fairseq("train", toy_data_bin, *TOY_BASELINE, "--max-update", "300", *FAST_LEARNING,
+                    "--save-dir", root / "ckpt")
+    return built_once(tmp_path_factory, "toy-learned-baseline", build) / "ckpt"
+
+
 def copy_run(run_dir, folder):
     """A copy of the save dir ``run_dir`` in ``folder``, for a test that writes into it."""
     return Path(shutil.copytree(run_dir, Path(folder) / run_dir.name))

@@ -222,23 +222,19 @@ def test_tokenizer_gives_the_pipelines_ids_and_decodes_to_detokenized_text(tmp_p
 
 # --- trained models: generation -------------------------------------------------------------
 
-TRAINED = {
-    "dense": ["--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL],
-    "multipath": ["--arch", "multipath_transformer_wmt_en_de", *TINY_MODEL,
-                  "--encoder-paths", "2"],
-}
+MULTIPATH = ["--arch", "multipath_transformer_wmt_en_de", *TINY_MODEL, "--encoder-paths", "2"]
 
 
 @pytest.fixture(scope="module")
-def exported(trains, toy_data_bin, toy_ewa_run, tmp_path_factory):
-    """The toy models (dense, multi-path: 200 updates; the session's EWA model folded by
-    multipath-convert-ewa), their checkpoints and their exported folders."""
-    found = {}
-    for name, flags in TRAINED.items():
-        folder = tmp_path_factory.mktemp(name)
-        run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *flags, *FAST_LEARNING,
-                    "--max-update", "200", "--save-dir", folder / "ckpt")
-        found[name] = folder / "ckpt" / "checkpoint_last.pt"
+def exported(trains, toy_data_bin, toy_learned_baseline_run, toy_ewa_run, tmp_path_factory):
+    """The toy models (the session's dense baseline, 300 updates; a multi-path model, 200 updates;
+    the session's EWA model folded by multipath-convert-ewa), their checkpoints and their exported
+    folders."""
+    found = {"dense": toy_learned_baseline_run / "checkpoint_last.pt"}
+    folder = tmp_path_factory.mktemp("multipath")
+    run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *MULTIPATH, *FAST_LEARNING,
+                "--max-update", "200", "--save-dir", folder / "ckpt")
+    found["multipath"] = folder / "ckpt" / "checkpoint_last.pt"
     folded = tmp_path_factory.mktemp("folded") / "folded.pt"
     run_cli([sys.executable, "-m", "multipath_nmt.cli.convert_ewa",
                  toy_ewa_run / "checkpoint_last.pt", folded])

@@ -113,24 +113,19 @@ def test_early_ewa_is_a_routed_moe_at_inference():
 
 # --- CTranslate2: the round trip ------------------------------------------------------------
 
-DENSE = {
-    "baseline": ["--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL, "--max-update", "300"],
-    "deep": ["--arch", "transformer_deep12_wmt_en_de", *TINY_MODEL, "--encoder-layers", "4",
-             "--max-update", "300"],
-}
-# the EWA model is the session's toy_ewa_run (TOY_EWA, 100 updates, FAST_LEARNING)
-FAST = FAST_LEARNING
+# the baseline and the EWA model are the session's (toy_learned_baseline_run, toy_ewa_run)
+DEEP = ["--arch", "transformer_deep12_wmt_en_de", *TINY_MODEL, "--encoder-layers", "4",
+        "--max-update", "300"]
 
 
 @pytest.fixture(scope="module")
-def dense_checkpoints(trains, toy_data_bin, toy_ewa_run, tmp_path_factory):
+def dense_checkpoints(trains, toy_data_bin, toy_learned_baseline_run, toy_ewa_run, tmp_path_factory):
     """The baseline, a deeper baseline and an EWA model folded by multipath-convert-ewa, trained
     briefly on the toy corpus."""
-    found = {}
-    for name, flags in DENSE.items():
-        folder = tmp_path_factory.mktemp(name)
-        run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *flags, *FAST, "--save-dir", folder)
-        found[name] = folder / "checkpoint_last.pt"
+    found = {"baseline": toy_learned_baseline_run / "checkpoint_last.pt"}
+    folder = tmp_path_factory.mktemp("deep")
+    run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *DEEP, *FAST_LEARNING, "--save-dir", folder)
+    found["deep"] = folder / "checkpoint_last.pt"
     folded = tmp_path_factory.mktemp("folded") / "folded.pt"  # not next to the shared checkpoint
     run_cli(["multipath-convert-ewa", toy_ewa_run / "checkpoint_last.pt", folded])
     found["folded ewa"] = folded
