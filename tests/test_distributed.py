@@ -49,3 +49,45 @@ def test_killed_two_rank_ewa_run_resumes_like_one_process(toy_data_bin, tmp_path
 
     run(comparable_command(toy_data_bin, tmp_path / "single", "ewa", *flags, "--update-freq", 2))
     assert_same_final_model(tmp_path / "ddp", tmp_path / "single", 10)
+
+
+def test_a_rank_that_finished_destroys_its_process_group_and_one_that_failed_leaves_it(tmp_path):
+    """fairseq's distributed_main as each torchrun rank of train.sh runs it (one gloo rank here):
+    once its training returned, the process group is destroyed, before the interpreter ends (else
+    an occasional exit 134 there: fairseq_patches/distributed.py); after an error it is left for
+    the error's way out, where a destroy could wait for ranks still in a collective."""
+    import logging
+    import sys
+
+    import torch.distributed as dist
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+
+    import multipath_nmt  # noqa: F401  (the patches)
+
+    def config(rendezvous):
+        args = options.parse_args_and_arch(options.get_training_parser(), [
+            str(tmp_path), "--arch", "transformer", "--cpu", "--distributed-backend", "gloo",
+            "--distributed-world-size", "1", "--distributed-rank", "0",
+            "--distributed-init-method", f"file://{tmp_path / rendezvous}"])
+        return convert_namespace_to_omegaconf(args)
+
+    def training(cfg):
+        seen.append(dist.is_initialized())
+
+    def out_of_memory(cfg):
+        raise RuntimeError("out of memory")
+
+    seen, root_level, excepthook = [], logging.getLogger().level, sys.excepthook
+    try:
+        distributed_utils.distributed_main(0, training, config("finished"), {})
+        assert seen == [True] and not dist.is_initialized()
+        with pytest.raises(RuntimeError, match="out of memory"):
+            distributed_utils.distributed_main(0, out_of_memory, config("failed"), {})
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        logging.getLogger().setLevel(root_level)
+        sys.excepthook = excepthook  # init_process_group wraps it

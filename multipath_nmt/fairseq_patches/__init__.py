@@ -66,6 +66,9 @@ data_bins         ``TranslationTask.setup_task``                              a 
 distributed       ``distributed.utils._infer_torch_distributed_launch_init``  ``torchrun`` without CUDA: ZeroDivisionError in      fairseq 0.12  tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
                                                                               fairseq's device choice
                   ``distributed_fairseq_model.DistributedDataParallel``       torch's DDP refuses ``device_ids`` for CPU modules   any           tests/test_distributed.py::test_two_ranks_match_one_process_with_update_freq_two
+                  ``distributed.utils.distributed_main``                      the process group was never destroyed: gloo's        fairseq 0.12  tests/test_distributed.py::test_a_rank_that_finished_destroys_its_process_group_and_one_that_failed_leaves_it
+                                                                              threads, torn down at exit, now and then aborted a
+                                                                              finished run (exit 134)
 numerics          ``Trainer.train_step``                                      a NaN/Inf did not say its update; fairseq's          torch >= 2.0  tests/test_numerics.py::test_nan_loss_stops_training_with_the_update_number
                                                                               NanDetector re-run died with ``StopIteration``; a                  tests/test_numerics.py::test_fp16_nan_loss_stops_training_with_the_update_number
                                                                               CPU fp16 overflow crashed                                          tests/test_numerics.py::test_cpu_fp16_overflow_skips_the_update_instead_of_crashing

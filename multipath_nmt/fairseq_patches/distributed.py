@@ -8,9 +8,19 @@ fairseq assumes one GPU per process when it is started by ``torchrun``/``torch.d
 
 Both are fixed here without touching the GPU path: with CUDA nothing changes.
 
+And on every device: fairseq never destroys its process group, so the interpreter's finalization
+tears down gloo's threads mid-flight, which now and then aborts a finished run (exit 134,
+"terminate called without an active exception"; PyTorch issue #190489, PR #65513's explanation;
+with NCCL, torch >= 2.4 warns instead). :func:`_destroy_process_group_after_training` destroys it
+once a rank's training returned, after fairseq's last barrier; not after an error, where a
+destroy could wait for ranks that are still in a collective. fairseq's own
+``torch.multiprocessing.spawn`` (without torchrun) starts its ranks before the plug-in is imported
+there: those ranks keep fairseq's behaviour.
+
 Reach beyond the plug-in's own models: any model trains on CPU ranks.
-Does nothing when: a CUDA device is visible (the GPU path is fairseq's).
+Does nothing when: a CUDA device is visible (the GPU path is fairseq's), except the destroy.
 """
+import functools
 import os
 
 import torch
@@ -47,9 +57,20 @@ def _cpu_aware_ddp(torch_ddp):
     return CpuAwareDistributedDataParallel
 
 
+def _destroy_process_group_after_training(distributed_main):
+    @functools.wraps(distributed_main)
+    def distributed_main_then_destroy(*args, **kwargs):
+        distributed_main(*args, **kwargs)  # returns after fairseq's barrier of all ranks
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    return distributed_main_then_destroy
+
+
 def install():
     from fairseq.distributed import utils as distributed_utils
     from fairseq.models import distributed_fairseq_model
 
     wrap(distributed_utils, "_infer_torch_distributed_launch_init", _infer_launch_init_without_cuda)
     wrap(distributed_fairseq_model, "DistributedDataParallel", _cpu_aware_ddp)
+    wrap(distributed_utils, "distributed_main", _destroy_process_group_after_training)
