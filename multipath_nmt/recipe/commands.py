@@ -15,6 +15,7 @@ from multipath_nmt.recipe.devices import (PRECISION_NOTES, PRECISIONS, choose_pr
                                           ddp_on_cpu, gpu_count)
 from multipath_nmt.recipe.launcher import LAUNCHER_NOTE, launcher_arguments
 from multipath_nmt.recipe.memory_model import planned_max_tokens
+from multipath_nmt.recipe.train_flags import given_flags
 
 # The plug-in folder for fairseq's --user-dir (multipath_nmt.USER_DIR, found here without
 # importing the package).
@@ -60,20 +61,10 @@ RECIPE_EPOCHS = 20
 RECIPE_DROPOUT = ["--attention-dropout", "0.1", "--activation-dropout", "0.1"]
 
 
-def _given_flags(passed_on: Sequence[str], names: Sequence[str]) -> dict:
-    """The flags ``names`` among fairseq-train's arguments, with their values."""
-    given = {}
-    for index, word in enumerate(passed_on):
-        name, equals, value = word.partition("=")
-        if name in names:
-            given[name] = value if equals or index + 1 == len(passed_on) else passed_on[index + 1]
-    return given
-
-
 def training_length(arch: str, passed_on: Sequence[str]) -> Tuple[List[str], str]:
     """The length flags to add (the recipe's ``--max-epoch 20`` when none is given) and the line
     train.sh prints about the length."""
-    given = _given_flags(passed_on, (*_LENGTH_FLAGS, "--ewa-stop-at"))
+    given = given_flags(passed_on, (*_LENGTH_FLAGS, "--ewa-stop-at"))
     early_ewa = arch.startswith("ewa_early") or "--ewa-stop-at" in given
     if early_ewa and "--max-update" not in given:
         raise RecipeError(f"{arch}: early EWA averages the experts during the first fraction "
@@ -136,7 +127,7 @@ def periodic_save(recipe_name: str, tokens_per_update: int, gpus: int, passed_on
                   minutes: Optional[str]) -> Tuple[List[str], str]:
     """The flags that save checkpoint_last.pt about every ``minutes`` (default
     :data:`SAVE_INTERVAL_MINUTES`; 0: none) and train.sh's line about it."""
-    if _given_flags(passed_on, ("--save-interval-updates",)):
+    if given_flags(passed_on, ("--save-interval-updates",)):
         return [], "periodic save: --save-interval-updates given"
     try:
         minutes = SAVE_INTERVAL_MINUTES if minutes is None else float(minutes)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 from multipath_nmt.recipe.archs import RecipeError
+from multipath_nmt.recipe.train_flags import given_flags
 
 MIB = 2 ** 20
 STATIC_BYTES_PER_PARAM = 18
@@ -102,12 +103,9 @@ class MemoryEstimate:
 
 def _given_shape(arch: str, passed_on: Sequence[str]) -> Shape:
     values = dict(SHAPES[arch].__dict__)
-    for index, word in enumerate(passed_on):
-        name, equals, value = word.partition("=")
-        if name in SHAPE_FLAGS:
-            text = value if equals else (passed_on[index + 1] if index + 1 < len(passed_on) else "")
-            if text.isdigit():
-                values[SHAPE_FLAGS[name]] = int(text)
+    for flag, text in given_flags(passed_on, SHAPE_FLAGS).items():
+        if text.isdigit():
+            values[SHAPE_FLAGS[flag]] = int(text)
     return Shape(**values)
 
 
