@@ -172,8 +172,8 @@ def proxies_markdown(result):
         launches = r["kernel_launches_per_update"]
         versus = f"{launches / stock:.2f}x" if stock else ""
         ms = r.get("host_ms_per_update")
-        host = (f"{_spread(ms, '{:.1f}')} | {ms['median'] / stock_ms:.2f}x" if ms and stock_ms
-                else (_spread(ms, '{:.1f}') + " |" if ms else " |"))
+        host = (f"{median_range(ms, '.1f')} | {ms['median'] / stock_ms:.2f}x" if ms and stock_ms
+                else (median_range(ms, '.1f') + " |" if ms else " |"))
         lines.append(f"| {r['group']} | {name} | {launches:,} | {versus} | "
                      f"{r['host_syncs_per_update']} | {r['host_syncs']} | {host} |")
     lines += ["", "| target | measured | needed | met |", "|---|---|---|---|"]
@@ -183,9 +183,9 @@ def proxies_markdown(result):
     return "\n".join(lines) + "\n"
 
 
-def _spread(summary, fmt="{:.0f}"):
-    return (f"{fmt.format(summary['median'])} "
-            f"[{fmt.format(summary['min'])}-{fmt.format(summary['max'])}]")
+def median_range(summary, spec=".0f"):
+    """A timing summary as "median [min-max]", each number formatted with ``spec``."""
+    return f"{summary['median']:{spec}} [{summary['min']:{spec}}-{summary['max']:{spec}}]"
 
 
 def markdown_report(result):
@@ -225,13 +225,13 @@ def markdown_report(result):
             continue
         ratio = _ratio(result, name, r["compare_to"]) if r["compare_to"] else None
         versus = "" if ratio is None else f"{ratio:.2f}x {r['compare_to']}"  # None: not measured
-        beam = _spread(r["beam_sentences_per_s"], fmt="{:.1f}") if "beam_sentences_per_s" in r \
+        beam = median_range(r["beam_sentences_per_s"], ".1f") if "beam_sentences_per_s" in r \
             else ""
         memory = (f"{r['peak_memory_mib']:.0f}" if "peak_memory_mib" in r else
                   "**probe failed**" if "peak_memory_error" in r else "")
         lines.append(
             f"| {r['group']} | {name} | {r['params'] / 1e6:.2f}M | {r['active_params'] / 1e6:.2f}M "
-            f"| {r['train_flops_per_token'] / 1e6:.1f} | {_spread(r['tokens_per_s'])} | {versus} "
+            f"| {r['train_flops_per_token'] / 1e6:.1f} | {median_range(r['tokens_per_s'])} | {versus} "
             f"| {100 * r['mfu']:.1f}% | {1e3 * r['forward_backward_s']['median']:.0f} + "
             f"{1e3 * r['update_s']['median']:.0f} | {r['host_syncs']} | "
             f"{r['saved_for_backward_mib']:.1f} | {beam} | {memory} | "

@@ -45,7 +45,7 @@ from multipath_nmt.benchmark.flops import matmul_peak_flops, training_flops_per_
 from multipath_nmt.benchmark.gpu_check_setup import check_command, model_flags
 from multipath_nmt.benchmark.memory import without_peak_resets
 from multipath_nmt.benchmark.micro_batch import update_profile
-from multipath_nmt.benchmark.bench_report import environment
+from multipath_nmt.benchmark.bench_report import environment, median_range
 from multipath_nmt.benchmark.systems import System, build_trainer_from_argv, systems_for
 from multipath_nmt.benchmark.timing import ForwardBackwardClock, summary, time_update_windows
 from multipath_nmt.fairseq_patches.wrapping import patches_of
@@ -478,10 +478,6 @@ def _count(value):
     return "n/a" if value is None else f"{value:,}"
 
 
-def _span(s, form=",.0f"):
-    return f"{s['median']:{form}} [{s['min']:{form}}-{s['max']:{form}}]"
-
-
 def markdown_report(result):
     env = result["environment"]
     peaks = ", ".join(f"{d} {rate / 1e12:.1f} TFLOP/s" for d, rate
@@ -510,10 +506,11 @@ def markdown_report(result):
         memory = f"{row['peak_memory_mib']:,.0f}" if "peak_memory_mib" in row else ""
         if row.get("planned_peak_mib"):
             memory += f" ({row['planned_peak_mib']:,.0f})"
-        beam = _span(row["beam_sentences_per_s"], ",.1f") if "beam_sentences_per_s" in row else ""
+        beam = (median_range(row["beam_sentences_per_s"], ",.1f") if "beam_sentences_per_s" in row
+                else "")
         lines.append(
             f"| {name} | {row['dtype']} | {row['max_tokens']:,} x {row['update_freq']} | "
-            f"{_span(rate)} | {versus} | {100 * row['mfu']:.1f}% "
+            f"{median_range(rate, ',.0f')} | {versus} | {100 * row['mfu']:.1f}% "
             f"| {memory} | {row['forward_backward_ms']:.1f} + {row['update_ms']:.1f} | "
             f"{'' if name.startswith(ANCHOR) else row.get('host_syncs_per_update', 'n/a')} | "
             f"{_count(row.get('kernel_launches_per_update'))} | {beam} | "
