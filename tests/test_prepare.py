@@ -18,6 +18,7 @@ import threading
 
 import pytest
 from conftest import ROOT, clean_env, run_cli, script_env, start_command
+from helpers.preloaded_python import kill_tree
 from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
@@ -886,38 +887,50 @@ def _tree(folder):
 
 
 def _writers_into(folder):
-    """Processes whose command line names ``folder`` (an orphan still writing into a stage)."""
-    import os
-
+    """Processes (other than the test's) that could still write into ``folder``: those whose
+    command line names it (an orphan started as a command of its own), and those with a file or
+    their working directory inside it (an orphan forked from the killed run, whose command line is
+    its parent's)."""
+    inside = str(folder) + os.sep
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if str(folder).encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
+                named = str(folder).encode() in f.read()
+            fds = os.listdir(f"/proc/{pid}/fd")
+            paths = [os.readlink(f"/proc/{pid}/cwd")]
+            for fd in fds:
+                try:
+                    paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:  # closed meanwhile
+                    continue
+        except OSError:  # gone, or not ours to read
             continue
+        if named or any((path + os.sep).startswith(inside) for path in paths):
+            found.append(int(pid))
     return found
 
 
 def _run_and_kill(command, stage_label=None, delay=0.0, timeout=300):
-    """Start ``command``; once its log says ``[stage_label] building`` (or, for ``download``,
-    ``[download] URL``), wait ``delay`` seconds and SIGKILL the main process only (its children are
-    not signalled, as with ``kill -9 PID``), and return as soon as it is gone, as a shell or a
-    scheduler would. Returns: ``stage`` (whose build was under way at the end), ``killed``,
-    ``events`` ((seconds from the start, stage) of each stage's log line) and ``log``."""
-    import signal
-    import subprocess
+    """Start ``command`` (forked from the preloaded interpreter: a process of its own, without the
+    seconds of a fresh one's imports); once its log says ``[stage_label] building`` (or, for
+    ``download``, ``[download] URL``), wait ``delay`` seconds and SIGKILL the main process only
+    (its children are not signalled, as with ``kill -9 PID``), and return as soon as it is gone,
+    as a shell or a scheduler would. Returns: ``stage`` (whose build was under way at the end),
+    ``killed``, ``events`` ((seconds from the start, stage) of each stage's log line) and
+    ``log``."""
     import time
     import types
 
     started = time.monotonic()
-    proc = subprocess.Popen(list(map(str, command)), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = start_command(command)
     run = types.SimpleNamespace(stage=None, killed=False, events=[], log=[])
     kill_at = []
 
     def read():  # until every writer of the pipe is gone: orphans included
-        for line in proc.stderr:
+        for line in proc.stdout:
             run.log.append(line)
             if line.startswith("[") and ("] building " in line or line.startswith("[download] http")):
                 run.stage = line[1:line.index("]")]
@@ -927,16 +940,16 @@ def _run_and_kill(command, stage_label=None, delay=0.0, timeout=300):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    while proc.poll() is None:
+    while _alive(proc.pid):
         if kill_at and time.monotonic() >= kill_at[0]:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            os.kill(proc.pid, signal.SIGKILL)
             break
         if time.monotonic() - started > timeout:
-            proc.kill()
+            kill_tree(proc.pid)
+            proc.wait()
             pytest.fail(f"{command} took more than {timeout} s")
         time.sleep(0.005)
-    run.killed = proc.returncode == -signal.SIGKILL
+    run.killed = proc.wait() == -signal.SIGKILL
     if not run.killed:
         reader.join(timeout=30)
         run.events.append((time.monotonic() - started, "end"))
