@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_env, run_cli, run_command, run_fairseq, start_command
+from conftest import clean_env, run_cli, run_command, run_fairseq, script_python, start_command
 from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
 
 from multipath_nmt import checkpoint_io
@@ -331,9 +331,10 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
                 break
         os.kill(first.pid, signal.SIGSTOP)  # writes nothing while the second tries
         before = {p.name: _digest(p) for p in save.iterdir()}
-        second = subprocess.run(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update",
-                                              RUN_UPDATES + 1), capture_output=True, text=True,
-                                env=clean_env(), timeout=300)
+        # through the shim: forked too, while the server's one started command (first) is stopped
+        second = subprocess.run([script_python(), *train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES,
+                                                                 "--max-update", RUN_UPDATES + 1)[1:]],
+                                capture_output=True, text=True, env=clean_env(), timeout=300)
         assert {p.name: _digest(p) for p in save.iterdir()} == before
     finally:
         os.kill(first.pid, signal.SIGKILL)

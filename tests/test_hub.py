@@ -2,13 +2,11 @@
 ``TransformerModel.from_pretrained(...)`` with Moses and subword-nmt BPE, then ``.translate``,
 on today's torch with weights-only loading on, gives what ``fairseq-interactive`` prints."""
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, clean_env, run_cli,
-                      run_fairseq)
+from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_cli, run_command, run_fairseq
 from helpers.training import MODELS, run
 
 MOE_CRITERION = ["--criterion", "label_smoothed_cross_entropy_with_moe"]
@@ -84,9 +82,7 @@ def checkpoints(trains, bpe_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hub_translations(checkpoints, bpe_data):
-    proc = subprocess.run([sys.executable, "-c", HUB_SCRIPT,
-                           json.dumps([checkpoints, str(bpe_data), SENTENCES])],
-                          capture_output=True, text=True, env=clean_env(), timeout=600)
+    proc = run_command([sys.executable, "-c", HUB_SCRIPT, json.dumps([checkpoints, str(bpe_data), SENTENCES])])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("HUB ", 1)[1])
 

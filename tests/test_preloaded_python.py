@@ -46,11 +46,12 @@ def script(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["0", "3", "raise", "message", "hook"])
 @pytest.mark.parametrize("merge_stderr", [False, True])
-@pytest.mark.parametrize("form", ["script", "-u"])
+@pytest.mark.parametrize("form", ["script", "-u", "-c"])
 def test_a_forked_command_gives_what_a_fresh_interpreter_gives(script, tmp_path, mode,
                                                                merge_stderr, form):
     args = {"script": [sys.executable, script],
-            "-u": [sys.executable, "-u", script]}[form] + [mode, "second"]
+            "-u": [sys.executable, "-u", script],
+            "-c": [sys.executable, "-c", SCRIPT]}[form] + [mode, "second"]
     env = clean_env(X="from the command")
     assert PRELOADED_PYTHON.forkable(list(map(str, args)), env)
     forked = run_command(args, env=env, cwd=tmp_path, merge_stderr=merge_stderr)
@@ -76,7 +77,6 @@ def test_modules_and_console_scripts_are_forked_and_say_the_same_as_fresh():
 
 def test_what_a_fork_cannot_imitate_runs_as_a_subprocess():
     env = clean_env()
-    assert not PRELOADED_PYTHON.forkable([sys.executable, "-c", "pass"], env)
     assert not PRELOADED_PYTHON.forkable([sys.executable, "-", "x"], env)
     assert not PRELOADED_PYTHON.forkable([sys.executable, "-X", "importtime", "-m", "x"], env)
     assert not PRELOADED_PYTHON.forkable(["bash", "-c", "true"], env)
@@ -239,8 +239,10 @@ def test_a_script_s_python_is_forked_from_the_server_and_behaves_as_the_interpre
     nested = subprocess.run([shim, starts], capture_output=True, text=True, env=clean_env())
     assert nested.stdout == f"parent {server} executable {shim} stdin nested\n"
     # the interpreter itself: the process is the shim's (the test is its parent)
+    by_code = subprocess.run([shim, "-c", shows.read_text(), "0"], input="code\n", capture_output=True,
+                             text=True, env=clean_env())
+    assert by_code.stdout == f"parent {server} executable {shim} stdin code\n"
     for args, env in (([shim, "-X", "utf8", shows, "0"], clean_env()),
-                      ([shim, "-c", shows.read_text(), "0"], clean_env()),
                       ([shim, shows, "0"], clean_env(OMP_NUM_THREADS="2"))):
         itself = subprocess.run(args, capture_output=True, text=True, env=env)
         assert itself.stdout == f"parent {os.getpid()} executable {sys.executable} stdin \n"
@@ -316,6 +318,36 @@ def test_a_signal_to_the_shim_is_one_to_its_command(tmp_path, how):
         assert rest.endswith("    time.sleep(60)\nKeyboardInterrupt\n") and code == -signum
     else:
         assert (rest, code) == ("", -signum)
+
+
+def test_a_shim_killed_with_sigkill_takes_along_the_program_its_command_exec_ed(tmp_path):
+    """train.sh's launcher (``python -c``, forked) becomes fairseq-train with ``os.execv``, and the
+    shim it execs forks fairseq-train anew. A SIGKILL to the first shim (a test's kill -9) still
+    ends that command and its children, as it does for a command that execs nothing."""
+    waits = tmp_path / "waits.py"
+    waits.write_text(WAITS_FOR_A_SIGNAL.replace("time.sleep(60)", textwrap.dedent("""\
+        import subprocess
+        child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        open(sys.argv[2], "w").write(f"{os.getpid()} {child.pid}")
+        time.sleep(60)""")).replace("import signal", "import os, signal"))
+    pids = tmp_path / "pids"
+    becomes = f"import os, sys; os.execv(sys.executable, [sys.executable, {str(waits)!r}, 'default', {str(pids)!r}])"
+    proc = subprocess.Popen([script_python(), "-c", becomes], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=clean_env())
+    assert (proc.stdout.readline(), proc.stdout.readline()) == ("to stderr\n", "ready\n")
+    while not pids.exists() or not pids.read_text():
+        time.sleep(0.05)
+    command, sleeper = map(int, pids.read_text().split())
+    with open(f"/proc/{command}/stat") as stat:  # forked by the server, twice removed from the shim
+        assert int(stat.read().rsplit(")", 1)[1].split()[1]) == PRELOADED_PYTHON.process.pid
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    for pid in (command, sleeper):
+        with pytest.raises(ProcessLookupError):
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
 
 
 def test_a_command_started_with_sigint_ignored_ignores_it_as_the_interpreter_does(tmp_path):

@@ -8,7 +8,8 @@ child forked from it: the child takes the command's environment, working directo
 files, runs the module or script as ``__main__`` (as ``python -m`` or ``python SCRIPT`` does),
 then exits the way the interpreter does: uncaught errors through
 ``sys.excepthook``, non-daemon threads joined, the command's ``atexit`` functions run, the exit
-status of ``SystemExit``, SIGINT after an uncaught ``KeyboardInterrupt``.
+status of ``SystemExit``, SIGINT after an uncaught ``KeyboardInterrupt``. ``python -c CODE`` runs
+as well: scripts/run-recipe.sh starts train.sh's and translate.sh's launcher that way.
 
 The Python processes that scripts and commands start are forked too. The tests give scripts a
 shim as ``PYTHON`` and as torchrun's ``PYTHON_EXEC`` (:meth:`PreloadedPython.shim`), and a forked
@@ -39,6 +40,7 @@ import runpy
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,10 @@ def _startup_values(env):
 
 # The frames above the command's own in a traceback: this file's and runpy's.
 RUNNER_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>")
+
+# The server's folder of links from a shim's pid (a file of that name) to the pid of the command
+# forked for it, which is the server's child, not the shim's: :func:`process_tree` follows them.
+_forked_links = None
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -111,7 +117,7 @@ def _run_child(request, pipe, client, fds, fairseq_logging):
                 os.dup2(fd, target)
             for fd in fds:
                 os.close(fd)
-            _die_with(client)
+            client.close()
         else:
             with open(os.devnull) as null:
                 os.dup2(null.fileno(), 0)
@@ -141,7 +147,7 @@ def _run_child(request, pipe, client, fds, fairseq_logging):
         # the Python processes the command starts (torchrun's workers, a benchmark's runs) are
         # forked as well
         sys.executable = request["executable"]
-        sys.argv = [request["target"], *request["args"]]
+        sys.argv = ["-c" if request["kind"] == "code" else request["target"], *request["args"]]
         # A __main__ of the command's own that stays after it ends, as in a fresh interpreter:
         # an excepthook may ask which program runs (runpy.run_path would restore the server's).
         main = types.ModuleType("__main__")
@@ -152,6 +158,9 @@ def _run_child(request, pipe, client, fds, fairseq_logging):
             if request["kind"] == "module":
                 sys.path[0] = request["cwd"]
                 runpy._run_module_as_main(request["target"])  # what ``python -m`` calls
+            elif request["kind"] == "code":
+                sys.path[0] = ""  # python -c: the current folder
+                exec(compile(request["target"], "<string>", "exec"), main.__dict__)
             else:
                 path = request["target"]
                 sys.path[0] = os.path.dirname(os.path.realpath(path))
@@ -195,20 +204,6 @@ def _command_frames(error):
     return tb
 
 
-def _die_with(client):
-    """Kill this process and everything it started once ``client`` has gone: a client killed
-    with SIGKILL (a test's kill -9, a timeout) takes its command along, as if they were one
-    process."""
-    def watch():
-        try:
-            client.recv(1)  # the client sends nothing more: this returns when it is gone
-        except OSError:
-            pass
-        kill_tree(os.getpid())  # its descendants first, this process last
-
-    threading.Thread(target=watch, daemon=True, name="preloaded-python-client-watch").start()
-
-
 def _forkable_env(startup, launched, env):
     """Whether a command with environment ``env`` may run in a child of a server launched with
     ``launched`` whose startup variables are ``startup`` (after its imports)."""
@@ -218,15 +213,17 @@ def _forkable_env(startup, launched, env):
 
 
 def parse(args, python):
-    """``args`` (a command line of the interpreter ``python``) as a request's kind ("module" or
-    "path"), target, arguments and whether it is unbuffered: ``python [-u] -m MODULE``,
-    ``python [-u] SCRIPT`` (a file) or a console script of this interpreter's environment (``#!``
-    ``python``); None for anything else: other options, and ``python -c``."""
+    """``args`` (a command line of the interpreter ``python``) as a request's kind ("module",
+    "code" or "path"), target, arguments and whether it is unbuffered: ``python [-u] -m MODULE``,
+    ``python [-u] -c CODE``, ``python [-u] SCRIPT`` (a file) or a console script of this
+    interpreter's environment (``#!`` ``python``); None for anything else: other options."""
     unbuffered = args[0] == python and len(args) >= 2 and args[1] == "-u"
     if unbuffered:
         args = [args[0], *args[2:]]
     if args[0] == python and len(args) >= 3 and args[1] == "-m":
         return {"kind": "module", "target": args[2], "args": args[3:], "unbuffered": unbuffered}
+    if args[0] == python and len(args) >= 3 and args[1] == "-c":
+        return {"kind": "code", "target": args[2], "args": args[3:], "unbuffered": unbuffered}
     if args[0] == python and len(args) >= 2 and not args[1].startswith("-") \
             and os.path.isfile(args[1]):
         return {"kind": "path", "target": args[1], "args": args[2:], "unbuffered": unbuffered}
@@ -245,10 +242,16 @@ def serve(channel, address, shim):
     ``channel``. The shim's requests (:func:`client_main`, for the Python processes that commands
     and scripts start): a connection each on the socket at ``address``, with the client's
     standard streams; the server forks them at once, however many run, and answers the same
-    two messages on the connection."""
+    two messages on the connection. A client that goes (killed with SIGKILL by a test's kill -9
+    or a timeout) takes its command and everything that started along, as if they were one
+    process: the server watches the connection, not the command, which may have ``exec``ed
+    another program (train.sh's launcher becomes fairseq-train)."""
     import importlib
     import select
 
+    global _forked_links
+    _forked_links = os.path.join(os.path.dirname(address), "forked")
+    links = {}  # a shim's command's pid -> its link
     launched = dict(os.environ)
     root = logging.getLogger()
     unconfigured = root.level, list(root.handlers)
@@ -287,15 +290,26 @@ def serve(channel, address, shim):
             _run_child(request, pipe, client, fds, fairseq_logging)
         return pid
 
+    def unlink(pid):
+        try:
+            os.unlink(links.pop(pid))
+        except (KeyError, FileNotFoundError):
+            pass
+
     def reply(client, message):
         try:
             client.send(json.dumps(message).encode())
-        except OSError:  # the client is gone; its command dies with it (_die_with)
+        except OSError:  # the client is gone; its command was killed with it
             pass
 
     pending = b""
     while True:
-        readable, _, _ = select.select([requests, listener], [], [], 0.05)
+        readable, _, _ = select.select([requests, listener, *clients.values()], [], [], 0.05)
+        for pid, client in list(clients.items()):
+            if client in readable:  # a client sends nothing after its request: it has gone
+                kill_tree(pid)  # its descendants first, the command last
+                clients.pop(pid).close()
+                unlink(pid)
         if requests in readable:
             chunk = requests.read(65536)
             if not chunk:
@@ -326,6 +340,11 @@ def serve(channel, address, shim):
             else:
                 pid = fork({**request, **command}, client=client, fds=fds)
                 clients[pid] = client
+                client_pid, _, _ = struct.unpack("3i", client.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+                links[pid] = os.path.join(_forked_links, str(client_pid))
+                with open(links[pid], "w") as link:
+                    link.write(str(pid))
                 reply(client, {"pid": pid})
             for fd in fds:
                 os.close(fd)
@@ -341,6 +360,7 @@ def serve(channel, address, shim):
                 replies.write(json.dumps({"returncode": returncode}) + "\n")
                 replies.flush()
             elif pid in clients:
+                unlink(pid)
                 client = clients.pop(pid)
                 reply(client, {"returncode": returncode})
                 client.close()
@@ -356,7 +376,7 @@ def client_main(python, address):
     child of the server at ``address``, as if this process were that command. Its standard
     streams go to the command; the signals of :data:`FORWARDED` are passed on to it; this process
     ends as it does (the same exit status, or killed by the same signal); killed with SIGKILL,
-    it takes the command along (:func:`_die_with`). Anything the server does not fork (other
+    it takes the command along (:func:`serve`). Anything the server does not fork (other
     options, a different startup environment, no server) ``exec``s ``python`` itself."""
     args = sys.argv[1:]
     sigint_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as this process started
@@ -445,7 +465,10 @@ class PreloadedPython:
             return
         if self.channel is not None:  # of a server that died
             self.channel.close()
+        global _forked_links
         self.folder = tempfile.mkdtemp(prefix="preloaded-python-")
+        _forked_links = os.path.join(self.folder, "forked")
+        os.mkdir(_forked_links)
         address = os.path.join(self.folder, "socket")
         self.shim_path = os.path.join(self.folder, "python")
         with open(self.shim_path, "w") as shim:
@@ -567,15 +590,24 @@ class ForkedProcess:
 
 
 def _children(pid):
+    """``pid``'s children, and the command the server forked for it if it is a shim."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(child) for child in f.read().split()]
+            children = [int(child) for child in f.read().split()]
     except OSError:  # already gone
         return []
+    if _forked_links is not None:
+        try:
+            with open(os.path.join(_forked_links, str(pid))) as link:
+                children.append(int(link.read()))
+        except (OSError, ValueError):
+            pass
+    return children
 
 
 def process_tree(pid):
-    """``pid`` and its descendants, each after its parent (from /proc, at this moment)."""
+    """``pid`` and its descendants, each after its parent (from /proc, at this moment); a
+    shim's command counts as its child."""
     tree, todo = [], [pid]
     while todo:
         tree.append(todo.pop())
