@@ -324,6 +324,9 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
 
     save = tmp_path / "ckpt"
     shutil.copytree(run_dir, save)
+    # the second run goes through the shim, which the server forks while its one started command (the
+    # first run) is stopped; asked for before that command holds the server
+    shim = script_python()
     first = start_command(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 1000))
     try:
         for line in first.stdout:  # it resumed and holds the save dir
@@ -331,9 +334,8 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
                 break
         os.kill(first.pid, signal.SIGSTOP)  # writes nothing while the second tries
         before = {p.name: _digest(p) for p in save.iterdir()}
-        # through the shim: forked too, while the server's one started command (first) is stopped
-        second = subprocess.run([script_python(), *train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES,
-                                                                 "--max-update", RUN_UPDATES + 1)[1:]],
+        second = subprocess.run([shim, *train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES,
+                                                      "--max-update", RUN_UPDATES + 1)[1:]],
                                 capture_output=True, text=True, env=clean_env(), timeout=300)
         assert {p.name: _digest(p) for p in save.iterdir()} == before
     finally:
