@@ -17,8 +17,8 @@ import tarfile
 import threading
 
 import pytest
-from conftest import ROOT, clean_env, run_cli, script_env, start_command
-from helpers.preloaded_python import kill_tree
+from conftest import ROOT, clean_env, run_cli, script_env, script_python, start_command
+from helpers.preloaded_python import kill_tree, process_tree
 from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
@@ -536,24 +536,26 @@ def test_two_runs_on_one_work_dir_take_turns(small_corpus, tmp_path):
         return [sys.executable, "-m", "multipath_nmt.cli.prepare", *corpus_argv(small_corpus, out),
                 "--work-dir", work]
 
-    # a process of its own: the preloaded interpreter of start_command runs one command at a time
-    first = subprocess.Popen(list(map(str, command(tmp_path / "a"))), stdout=subprocess.PIPE,
+    # through the shim, a process of its own (the server runs one started command at a time,
+    # the second); the shim stands for the run that the server forks for it, its "holder"
+    first = subprocess.Popen([script_python(), *map(str, command(tmp_path / "a")[1:])], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=clean_env())
     for line in first.stdout:  # the first run holds the lock once it builds its first stage
         if line.startswith("[raw] building"):
             break
-    first.send_signal(signal.SIGSTOP)  # and keeps it until the second has started
-    resume = threading.Timer(60, first.send_signal, (signal.SIGCONT,))  # should the second not wait
+    holder = process_tree(first.pid)[-1]
+    os.kill(holder, signal.SIGSTOP)  # and keeps it until the second has started
+    resume = threading.Timer(60, os.kill, (holder, signal.SIGCONT))  # should the second not wait
     resume.start()
     second = start_command(command(tmp_path / "b"))
     second_log = [second.stdout.readline()]
-    first.send_signal(signal.SIGCONT)
+    os.kill(holder, signal.SIGCONT)
     resume.cancel()
     second_log += second.stdout.readlines()
     statuses = second.wait(), first.wait(timeout=300)  # both waited for before any assertion
     first_log = first.stdout.read()
     assert statuses == (0, 0), (first_log, "".join(second_log))
-    assert second_log[0].startswith(f"[lock] {work} is in use by pid {first.pid} on {socket.gethostname()}, "
+    assert second_log[0].startswith(f"[lock] {work} is in use by pid {holder} on {socket.gethostname()}, "
                                     "started "), second_log
     assert second_log[0].endswith("; waiting for it to finish\n")
     second_log = "".join(second_log)
