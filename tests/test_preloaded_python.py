@@ -239,10 +239,10 @@ def test_a_script_s_python_is_forked_from_the_server_and_behaves_as_the_interpre
                       f"subprocess.run([sys.executable, {str(shows)!r}, '0'], input=b'nested')\n")
     nested = subprocess.run([shim, starts], capture_output=True, text=True, env=clean_env())
     assert nested.stdout == f"parent {server} executable {shim} stdin nested\n"
-    # the interpreter itself: the process is the shim's (the test is its parent)
     by_code = subprocess.run([shim, "-c", shows.read_text(), "0"], input="code\n", capture_output=True,
-                             text=True, env=clean_env())
+                             text=True, env=clean_env())  # python -c: forked as well
     assert by_code.stdout == f"parent {server} executable {shim} stdin code\n"
+    # the interpreter itself: the process is the shim's (the test is its parent)
     for args, env in (([shim, "-X", "utf8", shows, "0"], clean_env()),
                       ([shim, shows, "0"], clean_env(OMP_NUM_THREADS="2"))):
         itself = subprocess.run(args, capture_output=True, text=True, env=env)

@@ -251,7 +251,7 @@ def serve(channel, address, shim):
 
     global _forked_links
     _forked_links = os.path.join(os.path.dirname(address), "forked")
-    links = {}  # a shim's command's pid -> its link
+    links = {}  # a shim's command's pid -> the link to it (every pid of ``clients``)
     launched = dict(os.environ)
     root = logging.getLogger()
     unconfigured = root.level, list(root.handlers)
@@ -290,11 +290,11 @@ def serve(channel, address, shim):
             _run_child(request, pipe, client, fds, fairseq_logging)
         return pid
 
-    def unlink(pid):
-        try:
-            os.unlink(links.pop(pid))
-        except (KeyError, FileNotFoundError):
-            pass
+    def forget(pid):
+        """The connection of the shim whose command ``pid`` has ended or was killed; the link
+        from the shim to the command removed."""
+        os.unlink(links.pop(pid))
+        return clients.pop(pid)
 
     def reply(client, message):
         try:
@@ -308,8 +308,7 @@ def serve(channel, address, shim):
         for pid, client in list(clients.items()):
             if client in readable:  # a client sends nothing after its request: it has gone
                 kill_tree(pid)  # its descendants first, the command last
-                clients.pop(pid).close()
-                unlink(pid)
+                forget(pid).close()
         if requests in readable:
             chunk = requests.read(65536)
             if not chunk:
@@ -360,8 +359,7 @@ def serve(channel, address, shim):
                 replies.write(json.dumps({"returncode": returncode}) + "\n")
                 replies.flush()
             elif pid in clients:
-                unlink(pid)
-                client = clients.pop(pid)
+                client = forget(pid)
                 reply(client, {"returncode": returncode})
                 client.close()
 
