@@ -15,7 +15,7 @@ The Python processes that scripts and commands start are forked too. The tests g
 shim as ``PYTHON`` and as torchrun's ``PYTHON_EXEC`` (:meth:`PreloadedPython.shim`), and a forked
 command's ``sys.executable`` is that shim, so torchrun's workers and a benchmark's runs go
 through it. The shim's process stands
-in for its command (:func:`client_main`): the command gets the shim's standard streams and the
+in for its command (:mod:`preloaded_python_shim`): the command gets the shim's standard streams and the
 signals sent to the shim, the shim exits as the command does, and a SIGKILL to the shim kills
 the command and its children. It runs the interpreter itself for anything the server does not
 fork.
@@ -35,6 +35,7 @@ import builtins
 import io
 import json
 import logging
+import marshal
 import os
 import runpy
 import shutil
@@ -108,7 +109,7 @@ def _configured_at_the_first_fairseq_import(root_level, root_handlers):
 def _run_child(request, pipe, client, fds, fairseq_logging):
     """In the forked child: become the command, run it, exit. Never returns. Its output goes
     to the files the request names, into ``pipe`` (stdout and stderr) if there is one, or to the
-    standard streams ``fds`` of the ``client`` (:func:`client_main`) that asked for it;
+    standard streams ``fds`` of the ``client`` (:mod:`preloaded_python_shim`) that asked for it;
     ``fairseq_logging``: the root logger's level and handlers after the server's imports."""
     code, interrupted = 1, False
     try:
@@ -239,7 +240,7 @@ def serve(channel, address, shim):
     """The server. The test's requests: one JSON line each on stdin; for each, the child's pid,
     then its exit status (as ``subprocess`` reports it: -N for a signal), one JSON line each on
     stdout. A request with ``"pipe": true`` comes with the write end of a pipe on the socket
-    ``channel``. The shim's requests (:func:`client_main`, for the Python processes that commands
+    ``channel``. The shim's requests (:mod:`preloaded_python_shim`, for the Python processes that commands
     and scripts start): a connection each on the socket at ``address``, with the client's
     standard streams; the server forks them at once, however many run, and answers the same
     two messages on the connection. A client that goes (killed with SIGKILL by a test's kill -9
@@ -278,6 +279,13 @@ def serve(channel, address, shim):
     requests = os.fdopen(os.dup(0), "rb", 0)
     test_child = None
     clients = {}  # pid -> the connection of the client that asked for it
+    # A child's end wakes the loop below at once (a byte on ``ended``), which then answers its
+    # exit status: every command waits on that answer.
+    ended, ended_writer = os.pipe()
+    os.set_blocking(ended, False)
+    os.set_blocking(ended_writer, False)
+    signal.set_wakeup_fd(ended_writer)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
     def fork(request, pipe=None, client=None, fds=None):
         request["executable"] = shim
@@ -285,8 +293,12 @@ def serve(channel, address, shim):
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for other in (replies, channel, listener, requests, *clients.values()):
                 other.close()
+            os.close(ended)
+            os.close(ended_writer)
             _run_child(request, pipe, client, fds, fairseq_logging)
         return pid
 
@@ -298,13 +310,15 @@ def serve(channel, address, shim):
 
     def reply(client, message):
         try:
-            client.send(json.dumps(message).encode())
+            client.send(marshal.dumps(message))
         except OSError:  # the client is gone; its command was killed with it
             pass
 
     pending = b""
     while True:
-        readable, _, _ = select.select([requests, listener, *clients.values()], [], [], 0.05)
+        readable, _, _ = select.select([requests, listener, ended, *clients.values()], [], [])
+        if ended in readable:
+            os.read(ended, 4096)
         for pid, client in list(clients.items()):
             if client in readable:  # a client sends nothing after its request: it has gone
                 kill_tree(pid)  # its descendants first, the command last
@@ -327,8 +341,8 @@ def serve(channel, address, shim):
             client, _ = listener.accept()
             try:
                 message, fds, _, _ = socket.recv_fds(client, 1 << 20, 3)
-                request = json.loads(message)
-            except (OSError, ValueError):  # a client that died before it asked
+                request = marshal.loads(message)
+            except (OSError, EOFError, ValueError, TypeError):  # a client that died before it asked
                 client.close()
                 continue
             command = parse([request["python"], *request["argv"]], request["python"])
@@ -364,58 +378,6 @@ def serve(channel, address, shim):
                 client.close()
 
 
-# The signals a client passes on to its command: those a scheduler, torchrun or a test sends.
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP,
-             signal.SIGQUIT)
-
-
-def client_main(python, address):
-    """The shim's program (:meth:`PreloadedPython.shim`): run this process's command line in a
-    child of the server at ``address``, as if this process were that command. Its standard
-    streams go to the command; the signals of :data:`FORWARDED` are passed on to it; this process
-    ends as it does (the same exit status, or killed by the same signal); killed with SIGKILL,
-    it takes the command along (:func:`serve`). Anything the server does not fork (other
-    options, a different startup environment, no server) ``exec``s ``python`` itself."""
-    args = sys.argv[1:]
-    sigint_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as this process started
-    if parse([python, *args], python) is not None:
-        # Held from before the request until the command's pid is known: the command may run,
-        # and be signalled by someone who saw it run, before this process has read its pid.
-        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-        try:
-            client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            client.connect(address)
-            request = {"python": python, "argv": args, "env": dict(os.environ),
-                       "cwd": os.getcwd(), "sigint_ignored": sigint_ignored}
-            socket.send_fds(client, [json.dumps(request).encode()], [0, 1, 2])
-            answer = json.loads(client.recv(1 << 16) or b"{}")
-        except OSError:
-            answer = {}
-        if "pid" in answer:
-            pid = answer["pid"]
-
-            def forward(signum, frame):
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
-
-            for signum in FORWARDED:
-                signal.signal(signum, forward)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those held are passed on now
-            returncode = json.loads(client.recv(1 << 16) or b'{"returncode": -9}')["returncode"]
-            if returncode < 0:
-                signal.signal(-returncode, signal.SIG_DFL)
-                os.kill(os.getpid(), -returncode)
-            os._exit(returncode)
-        # the interpreter itself: a signal held meanwhile ends this process as it would end an
-        # interpreter that has not started yet
-        for signum in FORWARDED:
-            signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-    os.execv(python, [python, *args])
-
-
 class PreloadedPython:
     """The test session's server, started on first use with ``env`` (the tests' clean
     environment)."""
@@ -440,7 +402,7 @@ class PreloadedPython:
 
     def shim(self):
         """The path of an executable that stands for this interpreter and forks the commands it
-        is given from the server (:func:`client_main`): what the tests give scripts as
+        is given from the server (:mod:`preloaded_python_shim`): what the tests give scripts as
         ``PYTHON``. This interpreter itself when forking is off."""
         if not _forking():
             return sys.executable
@@ -473,7 +435,7 @@ class PreloadedPython:
             shim.write(f"#!{sys.executable} -IS\n"
                        f"import sys\n"
                        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-                       f"from preloaded_python import client_main\n"
+                       f"from preloaded_python_shim import client_main\n"
                        f"client_main({sys.executable!r}, {address!r})\n")
         os.chmod(self.shim_path, 0o755)
         # The environment's console scripts (multipath-*, fairseq-*) with the shim as their
