@@ -23,7 +23,13 @@ SCRIPT = textwrap.dedent("""\
     print("plug-in loaded:", "multipath_nmt" in sys.modules, "main:", __name__)
     print("to stderr", file=sys.stderr)
     atexit.register(print, "at exit")
-    threading.Thread(target=lambda: (time.sleep(0.2), print("thread done"))).start()
+
+    def after_the_command():  # a thread the interpreter's exit must wait for, with no fixed delay
+        while threading.main_thread().is_alive():  # until the exit stops the main thread
+            time.sleep(0.005)
+        print("thread done")
+
+    threading.Thread(target=after_the_command).start()
     mode = sys.argv[1]
     if mode == "raise":
         raise ValueError("bad value")
