@@ -14,11 +14,10 @@ as well: scripts/run-recipe.sh starts train.sh's and translate.sh's launcher tha
 The Python processes that scripts and commands start are forked too. The tests give scripts a
 shim as ``PYTHON`` and as torchrun's ``PYTHON_EXEC`` (:meth:`PreloadedPython.shim`), and a forked
 command's ``sys.executable`` is that shim, so torchrun's workers and a benchmark's runs go
-through it. The shim's process stands
-in for its command (:mod:`preloaded_python_shim`): the command gets the shim's standard streams and the
-signals sent to the shim, the shim exits as the command does, and a SIGKILL to the shim kills
-the command and its children. It runs the interpreter itself for anything the server does not
-fork.
+through it. The shim's process stands in for its command (:mod:`preloaded_python_shim`): the
+command gets the shim's standard streams and the signals sent to the shim, the shim exits as the
+command does, and a SIGKILL to the shim kills the command and its children. It runs the
+interpreter itself for anything the server does not fork.
 
 What the preloaded imports log or warn while they run, the server printed (to no one): a child
 does not print it again. What a child does not share with a fresh process, and so is never forked
@@ -240,10 +239,11 @@ def serve(channel, address, shim):
     """The server. The test's requests: one JSON line each on stdin; for each, the child's pid,
     then its exit status (as ``subprocess`` reports it: -N for a signal), one JSON line each on
     stdout. A request with ``"pipe": true`` comes with the write end of a pipe on the socket
-    ``channel``. The shim's requests (:mod:`preloaded_python_shim`, for the Python processes that commands
-    and scripts start): a connection each on the socket at ``address``, with the client's
-    standard streams; the server forks them at once, however many run, and answers the same
-    two messages on the connection. A client that goes (killed with SIGKILL by a test's kill -9
+    ``channel``. The shim's requests (:mod:`preloaded_python_shim`, for the Python processes that
+    commands and scripts start): a connection each on the socket at ``address``, with the
+    client's standard streams; the server forks them at once, however many run, and answers the
+    same two messages (``marshal``) on the connection, or that the shim should run the
+    interpreter itself. A client that goes (killed with SIGKILL by a test's kill -9
     or a timeout) takes its command and everything that started along, as if they were one
     process: the server watches the connection, not the command, which may have ``exec``ed
     another program (train.sh's launcher becomes fairseq-train)."""
@@ -342,7 +342,7 @@ def serve(channel, address, shim):
             try:
                 message, fds, _, _ = socket.recv_fds(client, 1 << 20, 3)
                 request = marshal.loads(message)
-            except (OSError, EOFError, ValueError, TypeError):  # a client that died before it asked
+            except (OSError, EOFError, ValueError, TypeError):  # a client that died first
                 client.close()
                 continue
             command = parse([request["python"], *request["argv"]], request["python"])
