@@ -37,7 +37,8 @@ def client_main(python, address):
                    "sigint_ignored": sigint_ignored}
         client.sendmsg([marshal.dumps(request)],  # with this process's standard streams
                        [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
-        answer = marshal.loads(client.recv(1 << 16) or marshal.dumps({}))
+        answered = client.recv(1 << 16)
+        answer = marshal.loads(answered) if answered else {}  # nothing: the server has gone
     except OSError:
         answer = {}
     if "pid" in answer:
