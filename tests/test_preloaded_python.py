@@ -103,6 +103,14 @@ def test_what_a_fork_cannot_imitate_runs_as_a_subprocess():
     assert not PRELOADED_PYTHON.forkable(module, {**launched, "KMP_INIT_AT_FORK": "TRUE"})
 
 
+def _ends_soon(pid):
+    """``pid`` is gone (killed and reaped, by init for an orphan) within 5 s."""
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+
+
 def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):
     script = tmp_path / "sleeps.py"
     script.write_text("import subprocess, sys, time\n"
@@ -112,11 +120,7 @@ def test_a_timeout_kills_the_command_and_what_it_started(tmp_path):
     pid_file = tmp_path / "pid"
     with pytest.raises(subprocess.TimeoutExpired):
         run_command([sys.executable, script, pid_file], timeout=3)
-    grandchild = int(pid_file.read_text())
-    with pytest.raises(ProcessLookupError):
-        for _ in range(50):  # reaped by init shortly after the kill
-            os.kill(grandchild, 0)
-            time.sleep(0.1)
+    _ends_soon(int(pid_file.read_text()))
 
 
 @pytest.mark.slow  # fresh interpreters that import fairseq
@@ -177,6 +181,20 @@ WAITS_FOR_A_SIGNAL = textwrap.dedent("""\
     print("ready", flush=True)
     time.sleep(60)
 """)
+# the same, waiting with a child of its own; both pids written to the file argv[2] names
+WAITS_WITH_A_CHILD = WAITS_FOR_A_SIGNAL.replace("time.sleep(60)", textwrap.dedent("""\
+    import subprocess
+    child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    open(sys.argv[2], "w").write(f"{os.getpid()} {child.pid}")
+    time.sleep(60)""")).replace("import signal", "import os, signal")
+
+
+def _command_and_child(pids):
+    """The two pids WAITS_WITH_A_CHILD writes into the file ``pids``, once it has."""
+    while not pids.exists() or not pids.read_text():
+        time.sleep(0.05)
+    command, child = map(int, pids.read_text().split())
+    return command, child
 
 
 @pytest.mark.parametrize("how", [("handled", signal.SIGTERM), ("default", signal.SIGTERM),
@@ -288,11 +306,7 @@ def test_a_signal_to_the_shim_is_one_to_its_command(tmp_path, how):
     itself. SIGKILL, which the shim cannot pass on, takes the command and its children along."""
     handling, signum = how
     script = tmp_path / "waits.py"
-    script.write_text(WAITS_FOR_A_SIGNAL.replace("time.sleep(60)", textwrap.dedent("""\
-        import subprocess
-        child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        open(sys.argv[2], "w").write(f"{os.getpid()} {child.pid}")
-        time.sleep(60)""")).replace("import signal", "import os, signal"))
+    script.write_text(WAITS_WITH_A_CHILD)
     results = []
     for python in (script_python(), sys.executable):
         pids = tmp_path / f"pids-{len(results)}"
@@ -302,18 +316,13 @@ def test_a_signal_to_the_shim_is_one_to_its_command(tmp_path, how):
                                 stderr=subprocess.STDOUT, text=True, env=clean_env(),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         first = proc.stdout.readline(), proc.stdout.readline()
-        while not pids.exists() or not pids.read_text():
-            time.sleep(0.05)
-        command, sleeper = map(int, pids.read_text().split())
+        command, sleeper = _command_and_child(pids)
         proc.send_signal(signum)
         results.append((first, proc.stdout.read(), proc.wait()))
         proc.stdout.close()
         if signum == signal.SIGKILL and python != sys.executable:
             for pid in (command, sleeper):
-                with pytest.raises(ProcessLookupError):
-                    for _ in range(50):
-                        os.kill(pid, 0)
-                        time.sleep(0.1)
+                _ends_soon(pid)
             continue
         os.kill(sleeper, signal.SIGKILL)
     assert results[0] == results[1]
@@ -332,29 +341,20 @@ def test_a_shim_killed_with_sigkill_takes_along_the_program_its_command_exec_ed(
     shim it execs forks fairseq-train anew. A SIGKILL to the first shim (a test's kill -9) still
     ends that command and its children, as it does for a command that execs nothing."""
     waits = tmp_path / "waits.py"
-    waits.write_text(WAITS_FOR_A_SIGNAL.replace("time.sleep(60)", textwrap.dedent("""\
-        import subprocess
-        child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        open(sys.argv[2], "w").write(f"{os.getpid()} {child.pid}")
-        time.sleep(60)""")).replace("import signal", "import os, signal"))
+    waits.write_text(WAITS_WITH_A_CHILD)
     pids = tmp_path / "pids"
     becomes = f"import os, sys; os.execv(sys.executable, [sys.executable, {str(waits)!r}, 'default', {str(pids)!r}])"
     proc = subprocess.Popen([script_python(), "-c", becomes], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=clean_env())
     assert (proc.stdout.readline(), proc.stdout.readline()) == ("to stderr\n", "ready\n")
-    while not pids.exists() or not pids.read_text():
-        time.sleep(0.05)
-    command, sleeper = map(int, pids.read_text().split())
+    command, sleeper = _command_and_child(pids)
     with open(f"/proc/{command}/stat") as stat:  # forked by the server, twice removed from the shim
         assert int(stat.read().rsplit(")", 1)[1].split()[1]) == PRELOADED_PYTHON.process.pid
     proc.kill()
     proc.wait()
     proc.stdout.close()
     for pid in (command, sleeper):
-        with pytest.raises(ProcessLookupError):
-            for _ in range(50):
-                os.kill(pid, 0)
-                time.sleep(0.1)
+        _ends_soon(pid)
 
 
 def test_a_command_started_with_sigint_ignored_ignores_it_as_the_interpreter_does(tmp_path):
