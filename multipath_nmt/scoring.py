@@ -7,7 +7,8 @@ lowercases ASCII only. We keep those semantics by working on ``bytes``. The n-gr
 come from sacreBLEU (``tokenize='none'``, no smoothing); since sacreBLEU splits on *Unicode*
 whitespace, every byte-level word is first replaced by a whitespace-free id, which leaves the
 counts unchanged. The final number is then computed in the script's own floating-point order
-so that ``%.2f`` rounds the same way.
+so that ``%.2f`` rounds the same way (a byte-order mark stays part of the first word there, as
+in the script; sacreBLEU and chrF read the references without it, :func:`read_references`).
 """
 import gzip
 import math
@@ -215,18 +216,24 @@ def sgm_to_text(path):
     if not os.path.isfile(path):
         raise ScoringError(f"{path}: no such file; pass an existing .sgm test set")
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+    with opener(path, "rt", encoding="utf-8-sig", newline="\n") as f:  # a BOM is not text
         for line in f:
             if line.startswith("<seg "):
                 yield re.sub(r"\s+", " ", _SGM_SEGMENT.sub(r"\1", line).strip())
 
 
+# A UTF-8 byte-order mark: not text of the first line, but sacreBLEU and chrF would count it as
+# a character of the first word (a perfect hypothesis then scores 99.50 and 99.87).
+BOM = "\ufeff"
+
+
 def read_references(path) -> List[str]:
     """Reference lines as released: an ``.sgm`` set extracted like sacreBLEU, or plain text split
-    on "\n" only (multipath-prepare writes the extracted test sets as DATA_BIN/test.raw.LANG)."""
+    on "\n" only (multipath-prepare writes the extracted test sets as DATA_BIN/test.raw.LANG),
+    without a byte-order mark at the start of the file."""
     if str(path).endswith((".sgm", ".sgm.gz")):
         return list(sgm_to_text(path))
-    lines = read_bytes(path).decode("utf-8", "surrogateescape").split("\n")
+    lines = read_bytes(path).decode("utf-8", "surrogateescape").removeprefix(BOM).split("\n")
     return lines[:-1] if lines[-1] == "" else lines
 
 

@@ -359,3 +359,25 @@ def test_console_script_errors(tmp_path):
                    env=script_env())
     assert proc.stdout.splitlines()[0] == \
         "BLEU = 100.00, 100.0/100.0/100.0/100.0 (BP=1.000, ratio=1.000, hyp_len=4, ref_len=4)"
+
+
+def test_a_byte_order_mark_at_the_start_of_a_raw_reference_costs_nothing(tmp_path):
+    """A released reference file saved with a UTF-8 byte-order mark (some editors and Windows
+    tools write one) scores a perfect hypothesis 100 with --raw-ref, as without the mark: the
+    mark is not text of the first sentence (it was sacreBLEU 99.50, chrF2 99.87)."""
+    refs = ["Das ist gut.", 'Sie sagte: "Nein".']
+    tokenized = ["Das ist gut .", "Sie sagte : &quot; Nein &quot; ."]
+    gen = tmp_path / "gen.out"
+    gen.write_text("".join(f"T-{i}\t{t}\nH-{i}\t-0.1\t{t}\n" for i, t in enumerate(tokenized))
+                   + "Generate test with beam=4: BLEU4 = 100.00\n", encoding="utf-8")
+    raw = tmp_path / "test.raw.de"
+    raw.write_bytes(b"\xef\xbb\xbf" + "".join(r + "\n" for r in refs).encode())
+    assert scoring.read_references(raw) == refs
+    scores = scoring.score_generate_output(gen, raw_refs=[raw], lang="de")
+    assert (round(scores.sacrebleu, 2), round(scores.chrf, 2)) == (100.0, 100.0)
+    # the same through --sys/--ref: the hypothesis file with a mark as well
+    hyp = tmp_path / "hyp"
+    hyp.write_bytes(b"\xef\xbb\xbf" + "".join(t + "\n" for t in tokenized).encode())
+    (tmp_path / "ref").write_text("".join(t + "\n" for t in tokenized), encoding="utf-8")
+    scores = scoring.score_files(hyp, tmp_path / "ref", raw_refs=[raw], lang="de")
+    assert (round(scores.sacrebleu, 2), round(scores.chrf, 2)) == (100.0, 100.0)
