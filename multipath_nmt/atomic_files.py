@@ -1,11 +1,19 @@
-"""Write a file so that readers see either the old content or the complete new one, never a part.
+"""Write a file, or a whole folder, so that readers see either the old content or the complete new
+one, never a part.
 
-The content goes to a temporary file next to the destination (same folder, so the same file
+A file's content goes to a temporary file next to the destination (same folder, so the same file
 system), is flushed and fsynced, and is renamed over the destination with ``os.replace``; the
 folder is fsynced so the rename itself survives a power loss. A kill, a full disk or an error
 in ``write`` leaves the destination as it was and no temporary file behind.
+
+A folder (:func:`folder_written_atomically`) is filled under a temporary name beside the
+destination and renamed into place once complete; :func:`unwritable_folder` says, before any work,
+why a folder could not be written at a path.
 """
+import contextlib
+import errno
 import os
+import shutil
 import uuid
 
 
@@ -51,3 +59,94 @@ def _fsync_folder(folder):
         pass
     finally:
         os.close(fd)
+
+
+class FolderNotWritten(ValueError):
+    """A folder that could not be written; the message is one line that names it and the reason
+    (the ``OSError`` is its ``__cause__``)."""
+
+
+def os_error_reason(error):
+    """``error``'s reason in a few words: "No space left on device (errno 28)"."""
+    if error.errno is None:
+        return str(error)
+    return f"{error.strerror or os.strerror(error.errno)} (errno {error.errno})"
+
+
+def _missing_target(path):
+    return os.path.islink(path) and not os.path.exists(path)
+
+
+def unwritable_folder(path):
+    """Why a folder cannot be written at ``path``, in one line, or None. Refused: a symbolic link
+    to nothing, a file, a path under a file; then the missing parents are created and a temporary
+    folder is made and removed beside ``path``, which fails as the real write would (a read-only
+    file system, no permission, a full disk)."""
+    path = os.fspath(path)
+    if _missing_target(path):
+        return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} is a file, not a folder"
+    target = os.path.realpath(path)
+    ancestor = os.path.dirname(target)
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"cannot create {path}: {ancestor} is a file, not a folder"
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        probe = _temporary_path(target)
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as error:
+        return f"cannot write {path}: {os_error_reason(error)}"
+    return None
+
+
+@contextlib.contextmanager
+def folder_written_atomically(path, replace=False):
+    """Yield an empty temporary folder beside ``path`` (same parent, so the same file system) to
+    fill; when the block ends without an exception, its files are fsynced and it is renamed to
+    ``path``. An existing ``path`` (``replace=True``; a symbolic link: the folder it points to)
+    is renamed aside first and removed after, so that ``path`` holds the old folder or the new
+    one, each whole. Any exception (KeyboardInterrupt and SystemExit too) removes the temporary
+    folder and leaves ``path`` as it was; an ``OSError`` (a full disk, no permission) is raised
+    as :class:`FolderNotWritten`. A ``kill -9`` leaves at most a ``<path>.<hex>.tmp`` folder
+    beside ``path``, which can be deleted."""
+    shown = os.fspath(path)
+    path = os.path.realpath(shown) if replace else os.path.abspath(shown)
+    problem = unwritable_folder(shown)
+    if problem:
+        raise FolderNotWritten(problem)
+    tmp = _temporary_path(path)
+    try:
+        os.mkdir(tmp)
+        yield tmp
+        _fsync_tree(tmp)
+        if os.path.lexists(path):
+            if not replace:
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), shown)
+            aside = _temporary_path(path)
+            os.rename(path, aside)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.rename(aside, path)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+        _fsync_folder(os.path.dirname(path))
+    except OSError as error:
+        raise FolderNotWritten(f"cannot write {shown}: {os_error_reason(error)}; "
+                               f"{shown} is as it was") from error
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(folder):
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_folder(root)

@@ -2,6 +2,7 @@
 (resumed, checksummed) and --raw-dir paths against a local HTTP server, the sizes against Table 1,
 restartable stages, bad-input errors, and prepare-corpus.sh on Multi30k."""
 import dataclasses
+import errno
 import functools
 import gzip
 import hashlib
@@ -667,6 +668,72 @@ def test_out_dir_that_is_not_ours_is_left_alone(small_corpus, tmp_path, capsys, 
     err = run_main(corpus_argv(small_corpus, out), capsys)
     assert f"{out} exists but was not written by multipath-prepare" in err
     assert (out / "precious.txt").read_text() == "keep me"
+
+
+def _one_line_before_any_work(err):
+    # one line, and no stage started ("[raw] building ...")
+    assert "Traceback" not in err and "building" not in err, err
+    return err.strip()
+
+
+def test_out_under_a_file_is_refused_in_one_line_before_any_work(small_corpus, tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    out = tmp_path / "file" / "bin"
+    err = _one_line_before_any_work(run_main(corpus_argv(small_corpus, out), capsys))
+    assert err == (f"multipath-prepare: error: cannot create {out}: {tmp_path / 'file'} is a file, "
+                   "not a folder; choose another --out")
+
+
+def test_out_that_is_a_dangling_symlink_is_refused_in_one_line_before_any_work(small_corpus, tmp_path,
+                                                                               capsys):
+    out = tmp_path / "bin"
+    out.symlink_to(tmp_path / "gone")
+    err = _one_line_before_any_work(run_main(corpus_argv(small_corpus, out), capsys))
+    assert err == (f"multipath-prepare: error: {out} is a symbolic link to {tmp_path / 'gone'}, "
+                   "which does not exist; choose another --out")
+    assert not (tmp_path / "bin.work").exists()
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES], ids=["read-only", "no-permission"])
+def test_out_that_cannot_be_written_is_refused_in_one_line_before_any_work(small_corpus, tmp_path, capsys,
+                                                                           monkeypatch, code):
+    """A read-only file system or a folder without write permission, simulated: the tests run as
+    root, for whom chmod does not forbid writing, so os.mkdir fails under ``ro/`` as the kernel
+    would. What this covers is the probe and its message, not a real read-only mount."""
+    (tmp_path / "ro").mkdir()
+    real_mkdir = os.mkdir
+
+    def refusing_mkdir(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path / "ro") + os.sep):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refusing_mkdir)
+    out = tmp_path / "ro" / "bin"
+    err = _one_line_before_any_work(run_main(corpus_argv(small_corpus, out), capsys))
+    assert err == (f"multipath-prepare: error: cannot write {out}: {os.strerror(code)} (errno {code}); "
+                   "choose another --out")
+
+
+def test_a_full_disk_while_tokenizing_stops_the_stage_with_one_line(small_corpus, tmp_path, capsys,
+                                                                    monkeypatch):
+    """ENOSPC at the first write of the tokenize stage, simulated in map_file (where the stage
+    writes): one line naming the stage, the unfinished stage folder removed, the raw stage kept."""
+    def disk_full(src, dst, *args, **kwargs):
+        with open(dst, "w", encoding="utf-8") as out:
+            out.write("a partial line")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(prepare, "map_file", disk_full)
+    work = tmp_path / "bin.work"
+    err = run_main(corpus_argv(small_corpus, tmp_path / "bin"), capsys)
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"multipath-prepare: error: cannot write {work / 'tok'}: No space left on device (errno 28); "
+        f"its unfinished {work / 'tok.partial'} was removed: free disk space and run the same command "
+        "again")
+    assert not (work / "tok.partial").exists() and not (work / "tok").exists()
+    assert (work / "raw" / ".done").is_file()
 
 
 def test_unknown_task(capsys, tmp_path):

@@ -52,7 +52,7 @@ from multipath_nmt.pipeline.archives import (  # noqa: F401
     mirror_url,
 )
 from multipath_nmt.pipeline.stages import (  # noqa: F401
-    DONE, SPLITS, PrepareError, Progress, check_languages, check_parallel, count_lines, log,
+    DONE, SPLITS, PrepareError, Progress, check_languages, check_output_folder, check_parallel, count_lines, log,
     open_text, read_lines, run_stage, stamp_of, work_dir_locked, write_lines, write_to,
 )
 from multipath_nmt.pipeline.text import (  # noqa: F401
@@ -193,11 +193,13 @@ def find_input(prefix, lang, option):
 def prepare_corpus(src, tgt, train, valid, test, out, bpe_merges=32000, workers=1, work_dir=None):
     """Raw parallel text PREFIX.{src,tgt}[.gz] for train/valid/test -> fairseq data-bin ``out``."""
     check_languages(src, tgt)
-    out = Path(out)
+    out, given_work_dir = Path(out), work_dir
     work_dir = Path(work_dir) if work_dir else out.with_name(out.name + ".work")
     prefixes = {"train": train, "valid": valid, "test": test}
     inputs = {(split, lang): find_input(prefixes[split], lang, f"--{split}") for split in SPLITS
               for lang in (src, tgt)}
+    check_output_folder(out, "--out")
+    check_output_folder(work_dir, "--work-dir" if given_work_dir else "--out or --work-dir")
     langs = (src, tgt)
     raw_params = {"stage": "raw", "inputs": {f"{s}.{l}": stamp_of(p) for (s, l), p in inputs.items()}}
 
@@ -315,6 +317,9 @@ def prepare_wmt(task, out=None, raw_dir=None, mirror=None, workers=1, bpe_merges
     log(f"{task}: {src} -> {tgt}, sentence pairs in the paper's Table 1: " +
         ", ".join(f"{split} {getattr(pair.table1, split):,}" for split in SPLITS))
     out = Path(out or Path("data-bin") / task)
+    check_output_folder(out, "--out")
+    check_output_folder(work_dir or out.parent / f"{pair.name}.work",
+                        "--work-dir" if work_dir else "--out or --work-dir")
     work_dir = Path(work_dir) if work_dir else out.parent / f"{pair.name}.work"
     extract = work_dir / "extract"
     downloads = work_dir / "downloads"

@@ -4,6 +4,7 @@ parameters) is written, by one run at a time per work dir (:func:`work_dir_locke
 files the stages read and write, with the checks that name the file and the fix.
 """
 import contextlib
+import errno
 import gzip
 import json
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from sacremoses.corpus import NonbreakingPrefixes
 
+from multipath_nmt.atomic_files import os_error_reason, unwritable_folder
 from multipath_nmt.folder_locks import FolderLock
 
 DONE = ".done"
@@ -67,6 +69,19 @@ def work_dir_locked(work_dir):
         lock.release()
 
 
+def check_output_folder(path, option):
+    """Raise PrepareError, before any work, if no folder can be written at ``path`` (given by
+    ``option``): a dangling symbolic link, a file, a path under a file, a read-only or full
+    file system, no permission (:func:`multipath_nmt.atomic_files.unwritable_folder`)."""
+    problem = unwritable_folder(path)
+    if problem:
+        raise PrepareError(f"{problem}; choose another {option}")
+
+
+# errnos of a disk that is full (or a quota or file size limit reached): freeing space is the fix
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
 def run_stage(final, label, params, build):
     """Build directory ``final`` with ``build(tmp_dir)`` unless it is finished with ``params``."""
     final = Path(final)
@@ -88,10 +103,16 @@ def run_stage(final, label, params, build):
     log(f"[{label}] building {final}")
     try:
         build(partial)
+        (partial / DONE).write_text(stamp, encoding="utf-8")
     except PrepareError:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    (partial / DONE).write_text(stamp, encoding="utf-8")
+    except OSError as error:  # a write of the stage failed: a full disk, a file system gone read-only
+        shutil.rmtree(partial, ignore_errors=True)
+        fix = ("free disk space" if error.errno in _NO_SPACE
+               else "check that you can write there")
+        raise PrepareError(f"cannot write {final}: {os_error_reason(error)}; its unfinished {partial} "
+                           f"was removed: {fix} and run the same command again") from None
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
