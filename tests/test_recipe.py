@@ -260,3 +260,84 @@ def test_the_memory_models_shapes_are_the_built_models(tmp_path, arch):
     built = sum(p.numel() for p in build_model(arch, 32000).parameters())
     counted = estimate(arch, [tmp_path / "dict.en.txt"], True).static_bytes / STATIC_BYTES_PER_PARAM
     assert abs(counted / built - 1) < 0.01
+
+
+
+# --- planning for GPUs on a machine without one (a login node) ------------------------------
+
+def _plan_without_a_visible_gpu(tmp_path, monkeypatch, capsys, cuda_build, *args, **env):
+    """train.sh's main (``recipe_scripts.main``) with ``MULTIPATH_NMT_NUM_GPUS=8`` where torch
+    sees no CUDA device: a CPU-only build, or a CUDA build (``cuda_build``) on a machine without
+    a GPU, whatever this machine has; ``env``: more variables. Returns (the exit status or
+    message, None when it returned; stdout; stderr)."""
+    import torch
+
+    from multipath_nmt.cli import recipe_scripts
+
+    data_bin = dictionaries_only_data_bin(tmp_path / "data-bin", "en", "de", joined=True)
+    for name in ("MULTIPATH_NMT_GPU_MEMORY_MIB", "MULTIPATH_NMT_BF16", "MULTIPATH_NMT_DDP_ON_CPU",
+                 "MAX_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"MULTIPATH_NMT_NUM_GPUS": "8", **env}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.version, "cuda", "12.8" if cuda_build else None)
+    code = None
+    try:
+        recipe_scripts.main(["train.sh", str(data_bin), str(tmp_path / "save"), "--arch",
+                             "transformer_prenorm_wmt_en_de", *args, "--dry-run"])
+    except SystemExit as stopped:
+        code = stopped.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+@pytest.mark.parametrize("cuda_build", [False, True])
+def test_a_dry_run_for_gpus_without_a_visible_gpu_names_the_memory_variable(
+        tmp_path, monkeypatch, capsys, cuda_build):
+    """MULTIPATH_NMT_NUM_GPUS=8 train.sh ... --dry-run on a login node: no GPU to size the
+    micro-batch from. One line naming MULTIPATH_NMT_GPU_MEMORY_MIB and --max-tokens, not
+    torch's "Torch not compiled with CUDA enabled" (or a CUDA build's RuntimeError)."""
+    import torch
+
+    code, out, err = _plan_without_a_visible_gpu(tmp_path, monkeypatch, capsys, cuda_build)
+    build = ("built for CUDA 12.8, which finds no GPU on this machine" if cuda_build else
+             "a CPU-only build")
+    assert code == (
+        f"train.sh: error: MULTIPATH_NMT_NUM_GPUS=8 counts GPUs that PyTorch {torch.__version__} "
+        f"does not see here ({build}), so no GPU's memory can size the micro-batch: set "
+        "MULTIPATH_NMT_GPU_MEMORY_MIB to one GPU's memory in MiB (nvidia-smi's memory.total on "
+        "the GPU machine, e.g. 143771 for an H200) or give --max-tokens N")
+    assert out == ""
+
+
+@pytest.mark.parametrize("args,env,micro_batch", [
+    ([], {"MULTIPATH_NMT_GPU_MEMORY_MIB": "143771"}, "(MULTIPATH_NMT_GPU_MEMORY_MIB)"),
+    (["--max-tokens", "4096"], {}, "--max-tokens given (a cap)"),
+])
+def test_a_dry_run_for_gpus_without_a_visible_gpu_plans_with_the_memory_variable(
+        tmp_path, monkeypatch, capsys, args, env, micro_batch):
+    """With MULTIPATH_NMT_GPU_MEMORY_MIB or --max-tokens the plan is printed; the precision,
+    which no GPU can be asked about, is said to be an assumption, with the variable that sets
+    it."""
+    code, out, err = _plan_without_a_visible_gpu(tmp_path, monkeypatch, capsys, False, *args,
+                                                 **env)
+    assert code is None and err == ""
+    [line] = [line for line in out.splitlines() if line.startswith("train.sh: micro-batch: ")]
+    assert micro_batch in line
+    assert "train.sh: 8 GPU(s), precision fp16 (" in out
+    assert ("train.sh: precision fp16 is assumed: no GPU is visible here to ask whether it has "
+            "bfloat16; MULTIPATH_NMT_BF16=1 plans bf16 (GPUs of compute capability 8.0 or later), "
+            "=0 fp16") in out
+
+
+def test_a_dry_run_for_gpus_without_a_visible_gpu_keeps_a_chosen_bf16(tmp_path, monkeypatch,
+                                                                       capsys):
+    """--precision bf16 with no GPU to check it against is the user's choice, not refused as
+    a GPU without bfloat16."""
+    code, out, err = _plan_without_a_visible_gpu(tmp_path, monkeypatch, capsys, False,
+                                                 "--max-tokens", "4096", "--precision", "bf16")
+    assert code is None and err == ""
+    assert "train.sh: 8 GPU(s), precision bf16 (" in out and "is assumed" not in out

@@ -313,6 +313,20 @@ def test_a_card_memory_that_cannot_plan_is_one_line(fake_data_bin, value, messag
     assert proc.returncode == 1 and proc.stderr.strip() == f"train.sh: error: {message}"
 
 
+def test_a_dry_run_for_gpus_on_a_machine_without_them_is_one_line(fake_data_bin):
+    """MULTIPATH_NMT_NUM_GPUS=8 train.sh ... --dry-run where PyTorch sees no GPU (a login node;
+    CUDA_VISIBLE_DEVICES='' hides any): one line naming the variable that gives the card's
+    memory, status 1, no traceback (it was torch's "Torch not compiled with CUDA enabled")."""
+    proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", gpus="8",
+                    MULTIPATH_NMT_GPU_MEMORY_MIB=None, CUDA_VISIBLE_DEVICES="", check=False)
+    [line] = proc.stderr.splitlines()
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert line.startswith("train.sh: error: MULTIPATH_NMT_NUM_GPUS=8 counts GPUs that PyTorch ")
+    assert line.endswith("set MULTIPATH_NMT_GPU_MEMORY_MIB to one GPU's memory in MiB "
+                         "(nvidia-smi's memory.total on the GPU machine, e.g. 143771 for an "
+                         "H200) or give --max-tokens N")
+
+
 @pytest.mark.parametrize("arch,gpus,args,max_tokens,update_freq", [
     ("multipath_l6_p2_wmt_en_de", "0", [], "4096", "2"),                      # CPU: 8,192
     ("transformer_prenorm_wmt_en_de", "8", ["--batch-tokens", "65536"], "4096", "2"),

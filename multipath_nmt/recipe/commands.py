@@ -11,8 +11,8 @@ from multipath_nmt.atomic_files import write_text_atomically
 from multipath_nmt.recipe.archs import RecipeError, criterion_for_arch, recipe_for_arch
 from multipath_nmt.recipe.batch import DEFAULT_MAX_TOKENS, batch_plan
 from multipath_nmt.recipe.embedding_sharing import dictionary_files, embedding_sharing
-from multipath_nmt.recipe.devices import (PRECISION_NOTES, PRECISIONS, choose_precision,
-                                          ddp_on_cpu, gpu_count)
+from multipath_nmt.recipe.devices import (PRECISION_NOTES, PRECISIONS, bf16_assumption,
+                                          choose_precision, ddp_on_cpu, gpu_count)
 from multipath_nmt.recipe.launcher import LAUNCHER_NOTE, launcher_arguments
 from multipath_nmt.recipe.memory_model import planned_max_tokens
 from multipath_nmt.recipe.train_flags import given_flags
@@ -263,6 +263,8 @@ def train_command(data_bin, save_dir, args: Sequence[str], gpus: Optional[int] =
     elif gpus:
         device = [*flags, "--distributed-world-size", str(workers)]
         notes = [f"{where}, precision {precision} ({described}), the same for every arch"]
+        assumed = bf16_assumption(options.get("precision", "auto"), gpus) if bf16 is None else None
+        notes += [assumed] if assumed else []
     else:
         device = [*flags, "--cpu"]
         notes = [f"no CUDA device found, training in {precision} on the CPU ({described})"]

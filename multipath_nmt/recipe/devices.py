@@ -31,8 +31,34 @@ def gpu_supports_bf16() -> bool:
         if value not in ("0", "1"):
             raise RecipeError(f"MULTIPATH_NMT_BF16 must be 0 or 1, got '{value}'")
         return value == "1"
+    if unseen_gpus() is not None:  # planning on a machine without the GPUs: bf16_assumption
+        return False
     import torch
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def unseen_gpus() -> Optional[str]:
+    """None when PyTorch sees a CUDA device here; else the words for why it sees none: a plan
+    for the GPUs that ``MULTIPATH_NMT_NUM_GPUS`` counts, made on a machine without them (a login
+    node), cannot ask them about their memory or bfloat16."""
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return None
+    if torch.version.cuda is None:
+        return f"PyTorch {torch.__version__} does not see here (a CPU-only build)"
+    return (f"PyTorch {torch.__version__} does not see here (built for CUDA {torch.version.cuda}, "
+            f"which finds no GPU on this machine)")
+
+
+def bf16_assumption(choice: str, gpus: int) -> Optional[str]:
+    """The line train.sh prints when ``--precision`` ``choice`` for ``gpus`` GPUs was planned
+    without asking a GPU whether it has bfloat16 (none is visible, ``MULTIPATH_NMT_BF16`` unset),
+    else None."""
+    if not gpus or choice != "auto" or "MULTIPATH_NMT_BF16" in os.environ or \
+            unseen_gpus() is None:
+        return None
+    return ("precision fp16 is assumed: no GPU is visible here to ask whether it has bfloat16; "
+            "MULTIPATH_NMT_BF16=1 plans bf16 (GPUs of compute capability 8.0 or later), =0 fp16")
 
 
 def no_cuda_device() -> str:
@@ -53,6 +79,9 @@ def choose_precision(choice: str, gpus: int, bf16: Optional[bool] = None) -> str
     if choice not in ("auto", *PRECISIONS):
         raise RecipeError(f"--precision must be auto, bf16, fp16 or fp32, got {choice!r}")
     if gpus and choice in ("auto", "bf16"):
+        if bf16 is None and choice == "bf16" and "MULTIPATH_NMT_BF16" not in os.environ and \
+                unseen_gpus() is not None:
+            return "bf16"  # the user's choice: no GPU here to check it against
         bf16 = gpu_supports_bf16() if bf16 is None else bf16
         if choice == "bf16" and not bf16:
             raise RecipeError("--precision bf16: this GPU has no native bfloat16 (it needs "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 from multipath_nmt.recipe.archs import RecipeError
+from multipath_nmt.recipe.devices import unseen_gpus
 from multipath_nmt.recipe.train_flags import given_flags
 
 MIB = 2 ** 20
@@ -147,13 +148,20 @@ def estimate(arch: str, dictionaries: Sequence[Path], shared_embeddings: bool,
 
 def gpu_memory_mib() -> Tuple[int, str]:
     """(MiB, where from): ``MULTIPATH_NMT_GPU_MEMORY_MIB`` if set, else the first CUDA GPU's total
-    memory."""
+    memory; with no GPU visible (a plan made on a login node) one line that names the variable."""
     value = os.environ.get("MULTIPATH_NMT_GPU_MEMORY_MIB")
     if value is not None:
         if not value.isdigit() or int(value) < 1:
             raise RecipeError(f"MULTIPATH_NMT_GPU_MEMORY_MIB must be a positive number of MiB, "
                               f"got '{value}'")
         return int(value), "MULTIPATH_NMT_GPU_MEMORY_MIB"
+    unseen = unseen_gpus()
+    if unseen is not None:
+        raise RecipeError(
+            f"MULTIPATH_NMT_NUM_GPUS={os.environ.get('MULTIPATH_NMT_NUM_GPUS', '')} counts GPUs that "
+            f"{unseen}, so no GPU's memory can size the micro-batch: set "
+            "MULTIPATH_NMT_GPU_MEMORY_MIB to one GPU's memory in MiB (nvidia-smi's memory.total on "
+            "the GPU machine, e.g. 143771 for an H200) or give --max-tokens N")
     import torch
     return torch.cuda.get_device_properties(0).total_memory // MIB, "the GPU's memory"
 
