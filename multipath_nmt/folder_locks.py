@@ -5,6 +5,22 @@
 never outlives its run: a lock file left behind by a killed run is taken by the next one. While
 held, the file says who holds it (pid, host, start time, command), for the message of a refused
 or waiting run; a run that ends normally removes it.
+
+Only the process that took a lock holds it, never a child forked from it. A flock belongs to
+the open file description, which ``fork`` shares: a data-loader worker of fairseq-train or a pool
+worker of multipath-prepare forked while the lock is held would otherwise keep it after its
+parent is killed (a data-loader worker lives ~5 s more), and the next run is refused in the name
+of a dead process. So every child forked with ``os.fork`` (multiprocessing's fork start method,
+the one Linux uses) closes the descriptors of its parent's locks first (``os.register_at_fork``),
+and forgets them: ``release`` in a child neither unlinks the parent's file nor unlocks it. A
+program started with ``exec`` never has them: the descriptor is close-on-exec (``os.open``'s
+default), and ``subprocess`` forks without the hook only to ``exec`` at once.
+
+Why flock with that hook, rather than a lock that ``fork`` does not pass on: a POSIX record lock
+(``fcntl.lockf``) is held by the process, not inherited by its children, but it does not exclude
+a second holder in the same process, and it is dropped as soon as the holder closes any
+descriptor of the file (reading the holder line would release it); an open-file-description lock
+(``F_OFD_SETLK``) is shared through ``fork`` exactly as a flock is.
 """
 import fcntl
 import json
@@ -12,6 +28,25 @@ import os
 import socket
 import sys
 import time
+
+_held = set()  # the locks this process holds
+_descriptors = set()  # their descriptors, and that of a lock being waited for
+
+
+def _forget_held_locks_in_child():
+    """In a child just forked: close the parent's lock descriptors, forget its locks."""
+    for fd in _descriptors:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _descriptors.clear()
+    for lock in _held:
+        lock._fd = None
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held_locks_in_child)
 
 
 class FolderInUseError(RuntimeError):
@@ -33,11 +68,13 @@ class FolderLock:
         waited = False
         while self._fd is None:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            _descriptors.add(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = describe_holder(self.path)
                 if not wait:
+                    _descriptors.discard(fd)
                     os.close(fd)
                     raise FolderInUseError(f"{os.path.dirname(os.path.abspath(self.path))} is in use "
                                            f"by {holder}") from None
@@ -47,7 +84,9 @@ class FolderLock:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             if _same_file(fd, self.path):
                 self._fd = fd
+                _held.add(self)
             else:  # its holder removed the file as we waited for it: lock the one there now
+                _descriptors.discard(fd)
                 os.close(fd)
         os.ftruncate(self._fd, 0)
         os.write(self._fd, (json.dumps(_this_process()) + "\n").encode("utf-8"))
@@ -63,6 +102,8 @@ class FolderLock:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        _held.discard(self)
+        _descriptors.discard(self._fd)
         os.close(self._fd)
         self._fd = None
 
