@@ -1,6 +1,8 @@
 """scripts/translate.sh --dry-run: fp16 decoding on a GPU (as the models are trained), --fp32 to
 keep fp32, the CPU without CUDA (MULTIPATH_NMT_NUM_GPUS stands in for the detected count)."""
+import os
 import shlex
+import sys
 
 import pytest
 
@@ -53,3 +55,94 @@ def test_translate_sh_missing_checkpoint(tmp_path):
                    check=False)
     assert proc.returncode == 1 and "none.pt: no such checkpoint" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+# --- OUT_PREFIX whose folder cannot hold the output: one line before any work -----------------
+
+def _translate_sh_main(tmp_path, out, monkeypatch, *args):
+    """translate.sh's main in this process (``recipe_scripts.main``) on a checkpoint that exists;
+    the message it exits with (None when it returned)."""
+    from multipath_nmt.cli import recipe_scripts
+
+    monkeypatch.setenv("MULTIPATH_NMT_NUM_GPUS", "0")
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"")
+    try:
+        recipe_scripts.main(["translate.sh", str(tmp_path), str(checkpoint), str(out), *args])
+    except SystemExit as stop:
+        return stop.code
+    return None
+
+
+def _bad_folders(tmp_path):
+    """(OUT_PREFIX, what the line says) for each kind of folder that cannot hold the output.
+    The tests run as root, for whom a chmod'ed read-only folder is writable: those are covered
+    by the monkeypatched refusals below, these by real paths."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "mp.hyp").mkdir()
+    return [
+        (tmp_path / "missing" / "mp", f"its folder {tmp_path}/missing does not exist: create it "
+                                      f"(mkdir -p {tmp_path}/missing) or give another"),
+        (tmp_path / "a-file" / "mp", f"its folder {tmp_path}/a-file is a file, not a folder; "
+                                     "give another"),
+        (tmp_path / "a-file" / "sub" / "mp", f"its folder {tmp_path}/a-file/sub cannot exist: "
+                                             f"{tmp_path}/a-file is a file, not a folder; give "
+                                             "another"),
+        (tmp_path / "dangling" / "mp", f"its folder {tmp_path}/dangling is a symbolic link to "
+                                       f"{tmp_path}/gone, which does not exist; give another"),
+        (tmp_path / "mp", f"{tmp_path}/mp.hyp is a folder, where translate.sh writes a file; "
+                          "give another"),
+    ]
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_an_out_prefix_whose_folder_cannot_hold_the_output_is_one_line(tmp_path, monkeypatch,
+                                                                       capsys, dry_run):
+    for out, problem in _bad_folders(tmp_path):
+        message = _translate_sh_main(tmp_path, out, monkeypatch, *dry_run)
+        assert message == f"translate.sh: error: OUT_PREFIX {out}: {problem} OUT_PREFIX"
+        assert capsys.readouterr().out == ""  # before the plan: nothing ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "checkpoint.pt", "dangling",
+                                                          "mp.hyp"]
+
+
+def test_an_out_prefix_in_a_folder_that_refuses_writes_is_one_line(tmp_path, monkeypatch, capsys):
+    """A folder this process may not write in (as a user, chmod a-w; root is exempt, so here
+    os.access says no), and one whose files cannot be opened for writing although os.access
+    says yes (a read-only file system, an access rule: EACCES when the decoder's output is
+    opened)."""
+    import errno
+
+    from multipath_nmt.recipe import translation
+
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if path == str(tmp_path) else
+                        real_access(path, mode))
+    message = _translate_sh_main(tmp_path, tmp_path / "mp", monkeypatch)
+    assert message == (f"translate.sh: error: OUT_PREFIX {tmp_path}/mp: cannot write in its folder "
+                       f"{tmp_path} (permission denied); give another OUT_PREFIX")
+    assert not (tmp_path / "mp.generate.tmp").exists()
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(os, "access", real_access)
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(translation, "open", refused, raising=False)
+    with pytest.raises(translation.RecipeError) as refusal:
+        translation.run_decoder([sys.executable, "-c", "pass"], tmp_path / "mp")
+    assert str(refusal.value) == (f"OUT_PREFIX {tmp_path}/mp: cannot write in its folder {tmp_path} "
+                                  "(Permission denied); give another OUT_PREFIX")
+
+
+def test_translate_sh_with_a_missing_out_folder_says_so_in_one_line(tmp_path):
+    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint.write_bytes(b"")
+    proc = run_cli(["bash", TRANSLATE_SH, tmp_path, checkpoint, tmp_path / "results" / "mp"],
+                   env=script_env(MULTIPATH_NMT_NUM_GPUS="0"), check=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (f"translate.sh: error: OUT_PREFIX {tmp_path}/results/mp: its folder "
+                           f"{tmp_path}/results does not exist: create it (mkdir -p "
+                           f"{tmp_path}/results) or give another OUT_PREFIX\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]

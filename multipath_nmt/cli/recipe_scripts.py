@@ -3,13 +3,13 @@ the plan and the command that :mod:`multipath_nmt.recipe` builds, then run it. N
 every argument but ``--dry-run`` goes to the library, which passes fairseq's on unread."""
 import os
 import shlex
-import subprocess
 import sys
 from typing import List
 
 from multipath_nmt.recipe import (LAUNCHER_MODULE, RecipeError, finish_translation,
                                   generate_command, run_launcher, train_command)
 from multipath_nmt.recipe.commands import record_batch
+from multipath_nmt.recipe.translation import check_output_prefix, run_decoder
 
 
 def _train_sh(args: List[str], dry_run: bool) -> None:
@@ -29,13 +29,13 @@ def _train_sh(args: List[str], dry_run: bool) -> None:
 
 def _translate_sh(args: List[str], dry_run: bool) -> None:
     data_bin, checkpoint, out, args = args[0], args[1], args[2], args[3:]
+    check_output_prefix(out)
     command = generate_command(data_bin, checkpoint, args)
     for line in command.notes + [f"{shlex.join(command.argv)} > {out}.generate"]:
         print(f"translate.sh: {line}", flush=True)
     if dry_run:
         return
-    with open(f"{out}.generate.tmp", "wb") as generated:
-        code = subprocess.call(command.argv, stdout=generated)
+    code = run_decoder(command.argv, out)
     if code:
         sys.exit(code)
     count = finish_translation(out)
