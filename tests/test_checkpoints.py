@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import clean_env, run_cli, run_command, run_fairseq, script_python, start_command
+from conftest import (TINY_MODEL, TRAIN_FLAGS, clean_env, copy_run, run_cli, run_command, run_fairseq,
+                      script_python, start_command)
 from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
 
 from multipath_nmt import checkpoint_io
@@ -690,3 +691,86 @@ def test_batches_of_a_later_epoch_are_those_of_epoch_1(toy_data_bin):
     stock = patched.__wrapped__
     assert batches(3, patched) == batches(1, patched) == batches(1, stock)
     assert batches(3, stock) != batches(1, stock)
+
+
+# --- a resume with another --arch, --criterion or --optimizer ---------------------------------
+
+# TRAIN_FLAGS without the suite's --num-workers 0 and --disable-validation: fairseq's defaults (a
+# loader worker process, validation at every save), as a user runs it.
+_DEFAULT_FLAGS = [word for i, word in enumerate(TRAIN_FLAGS)
+                  if word not in ("--num-workers", "--disable-validation")
+                  and TRAIN_FLAGS[i - 1] != "--num-workers"]
+_BASELINE = ["--arch", "transformer_prenorm_wmt_en_de", *TINY_MODEL]
+
+
+def _with(flags, old, new):
+    """``flags`` with the words ``old`` (a flag and its value, or more) replaced by ``new``."""
+    i = next(i for i in range(len(flags)) if flags[i:i + len(old)] == old)
+    return [*flags[:i], *new, *flags[i + len(old):]]
+
+
+@pytest.fixture(scope="module")
+def default_flags_run(trains, toy_data_bin, tmp_path_factory):
+    """The save dir of 2 updates of the baseline (adam, label_smoothed_cross_entropy) trained
+    with fairseq's defaults for the loader and validation."""
+    save = tmp_path_factory.mktemp("defaults") / "ckpt"
+    run_fairseq("train", toy_data_bin, *_BASELINE, *_DEFAULT_FLAGS, "--max-update", "2",
+                "--save-dir", save)
+    return save
+
+
+_OTHER_TRAINING = {
+    "arch": (
+        ["--arch", "multipath_transformer_wmt_en_de", *TINY_MODEL, "--encoder-paths", "2",
+         *_DEFAULT_FLAGS],
+        "its model (--arch transformer_prenorm_wmt_en_de) has other parameters than this "
+        "command's (--arch multipath_transformer_wmt_en_de): "
+        "'encoder.layers.0.self_attn.k_proj.weight' is in the checkpoint only (and 55 more "
+        "tensors differ); "
+        "resume with the checkpoint's --arch and model flags, or give another --save-dir to "
+        "train this model from the start"),
+    "criterion": (
+        [*_BASELINE, *_with(_DEFAULT_FLAGS, ["--criterion", "label_smoothed_cross_entropy",
+                                             "--label-smoothing", "0.1"],
+                            ["--criterion", "cross_entropy"])],
+        "its optimizer state was saved with --criterion label_smoothed_cross_entropy, not this "
+        "command's --criterion cross_entropy: pass --reset-optimizer to go on from its weights "
+        "with a new optimizer state, learning-rate schedule and update count, or give another "
+        "--save-dir to train from the start"),
+    "optimizer": (
+        [*_BASELINE, *_with(_DEFAULT_FLAGS, ["--optimizer", "adam"], ["--optimizer", "adam_fused"])],
+        "its optimizer state was saved with --optimizer adam, not this command's --optimizer "
+        "adam_fused: pass --reset-optimizer to go on from its weights with a new optimizer "
+        "state, learning-rate schedule and update count, or give another --save-dir to train "
+        "from the start"),
+}
+
+
+@pytest.mark.parametrize("changed", sorted(_OTHER_TRAINING))
+def test_a_resume_with_another_arch_criterion_or_optimizer_says_what_differs(
+        changed, default_flags_run, toy_data_bin, tmp_path):
+    """Resuming 2 updates of adam and label_smoothed_cross_entropy with another --arch,
+    --criterion or --optimizer (fairseq's defaults for the loader and validation) stops in one
+    line that says what differs and which flag, if any, accepts it; no chained tracebacks
+    ("Cannot load model parameters", "Criterion does not match", "Optimizer does not match").
+    Nothing in the save dir changes."""
+    save = copy_run(default_flags_run, tmp_path)
+    before = {p.name: _digest(p) for p in save.iterdir()}
+    flags, says = _OTHER_TRAINING[changed]
+    proc = run_fairseq("train", toy_data_bin, *flags, "--max-update", "4", "--save-dir", save,
+                       check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"train.py: error: {save / 'checkpoint_last.pt'}: {says}"
+    assert {p.name: _digest(p) for p in save.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_criterion_and_reset_optimizer_goes_on(default_flags_run,
+                                                                    toy_data_bin, tmp_path):
+    """The flag the line names does what it says: the model's weights, a new optimizer."""
+    save = copy_run(default_flags_run, tmp_path)
+    flags, _ = _OTHER_TRAINING["criterion"]
+    proc = run_fairseq("train", toy_data_bin, *flags, "--max-update", "1", "--save-dir", save,
+                       "--reset-optimizer")
+    assert "Loaded checkpoint" in proc.stdout + proc.stderr

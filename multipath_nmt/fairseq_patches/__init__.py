@@ -53,6 +53,9 @@ checkpoints       ``checkpoint_utils.load_checkpoint_to_cpu``                 on
                   ``Trainer.load_checkpoint``,                                a mismatched dictionary failed later on a tensor     fairseq 0.12  tests/test_checkpoints.py::test_mismatched_dictionary_generate_and_resume
                   ``checkpoint_utils.load_model_ensemble_and_task``           shape; a same-size dictionary with other                           tests/test_checkpoints.py::test_same_size_dictionary_with_other_symbols_generate_and_resume
                                                                               symbols loaded silently
+                  ``Trainer.load_checkpoint``                                 a resume with another ``--arch``, ``--criterion``    fairseq 0.12  tests/test_checkpoints.py::test_a_resume_with_another_arch_criterion_or_optimizer_says_what_differs
+                                                                              or ``--optimizer`` ended in chained tracebacks;
+                                                                              one line: what differs, which flag accepts it
                   ``Trainer.state_dict``                                      records the dictionaries' symbols for that check     fairseq 0.12  tests/test_checkpoints.py::test_same_size_dictionary_with_other_symbols_generate_and_resume
                   ``sys.excepthook``                                          an uncaught ``CheckpointError`` is one line, no      any           tests/test_checkpoints.py::test_console_scripts_say_one_line
                                                                               traceback

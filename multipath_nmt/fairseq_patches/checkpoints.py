@@ -50,6 +50,13 @@
   paths (:func:`multipath_nmt.checkpoint_io.dictionaries.check_dictionaries`) before fairseq fails on a tensor
   shape; one of the same size whose symbols differ from those the checkpoint recorded, with the
   first token id that differs (a checkpoint that recorded none: by size, with a warning).
+* ``Trainer.load_checkpoint`` also: a resume with another ``--arch`` (or model flags),
+  ``--criterion`` or ``--optimizer`` than the checkpoint's failed with fairseq's chained
+  tracebacks ("Cannot load model parameters", "Criterion does not match", "Optimizer does not
+  match"); once fairseq's load has failed, the one line of
+  :func:`multipath_nmt.checkpoint_io.training_setup.explain_failed_resume` says what differs and
+  which flag accepts it (``--reset-optimizer``, or another ``--save-dir``), fairseq's error
+  chained (``tests/test_checkpoints.py::test_a_resume_with_another_arch_criterion_or_optimizer_says_what_differs``).
 * ``Trainer.state_dict`` (what every save writes): records the task's dictionaries' symbols
   (:data:`~multipath_nmt.checkpoint_io.dictionaries.DICTIONARIES`), for that check.
 * ``sys.excepthook``: an uncaught ``CheckpointError`` is printed as one line without a traceback
@@ -81,6 +88,7 @@ from multipath_nmt.checkpoint_io.dictionaries import (DICTIONARIES, check_dictio
 from multipath_nmt.checkpoint_io.reading import (peek_checkpoint, proven_damage, read_checkpoint,
                                                  saved_at)
 from multipath_nmt.checkpoint_io.resume_point import newest_readable
+from multipath_nmt.checkpoint_io.training_setup import explain_failed_resume
 from multipath_nmt.checkpoint_io.writing import (asynchronous_writer, save_atomically,
                                                  write_atomically)
 from multipath_nmt.fairseq_patches.wrapping import one_line_excepthook, wrap
@@ -385,9 +393,17 @@ def _recording_dictionaries(state_dict):
 
 def _checking_trainer_dictionaries(load_checkpoint):
     @functools.wraps(load_checkpoint)
-    def trainer_load_checkpoint(self, filename, *args, **kwargs):
+    def trainer_load_checkpoint(self, filename, reset_optimizer=False, *args, **kwargs):
         check_dictionaries(filename, self.task)
-        return load_checkpoint(self, filename, *args, **kwargs)
+        try:
+            return load_checkpoint(self, filename, reset_optimizer, *args, **kwargs)
+        except Exception as err:
+            # another --arch, --criterion or --optimizer than the checkpoint's: one line that
+            # says which and what accepts it, instead of fairseq's chained tracebacks
+            mismatch = explain_failed_resume(filename, self, reset_optimizer, err)
+            if mismatch is None:
+                raise
+            raise mismatch from err
 
     return trainer_load_checkpoint
 
