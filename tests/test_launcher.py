@@ -10,12 +10,14 @@ update, rank 0 saves once, and train.sh exits 143; the same command resumes to p
 bit-identical to an uninterrupted run. The multi-node command of docs/troubleshooting.md (its
 SLURM form) runs as two launchers of one process each, with a c10d rendezvous on this machine.
 """
+import os
 import random
 import re
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -213,6 +215,53 @@ def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_p
     assert sorted(p.name for p in save.iterdir()) == ["checkpoint_1_%d.pt" % saved,
                                                      "checkpoint_last.pt", "fairseq-train.lock",
                                                      "train-sh-batch.json"]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_path):
+    """kill -9 of train.sh on 2 ranks, with fairseq's default data loading (one worker each) and
+    validation: both workers end at once (their parent's death kills them), and the same command
+    run again is not refused. They used to train on with no parent, rank 0 holding the save dir.
+    Real processes, not the suite's forked ones (whose server kills a killed command's tree
+    itself): PYTHON is this interpreter, torchrun starts its workers with it."""
+    flags = [str(flag) for flag in SHORT_RUN]
+    for dropped in (["--num-workers", "0"], ["--disable-validation"]):
+        at = flags.index(dropped[0])
+        del flags[at:at + len(dropped)]
+    flags[flags.index("--max-update") + 1] = "100000"  # longer than the test
+    command = ["env", f"PYTHON={sys.executable}", "MULTIPATH_NMT_NUM_GPUS=2",
+               "MULTIPATH_NMT_DDP_ON_CPU=1", "bash", str(TRAIN_SH), str(toy_data_bin),
+               str(tmp_path / "ckpt"), *FAMILIES["baseline"], *flags]
+    proc = start_command(command)  # env execs bash, which execs the launcher: proc.pid is it
+    workers = []
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if UPDATE_LOGGED.search(line):
+                break
+        else:
+            _fail(command, "logged no update", "".join(lines))
+        workers = [worker_of_rank(proc.pid, rank) for rank in range(2)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60  # they go within milliseconds
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), "the workers train on without train.sh"
+    finally:
+        for pid in filter(_alive, workers):
+            os.kill(pid, signal.SIGKILL)
+        stop(proc)
+    code, output = run_and_signal(command, 1, signal.SIGTERM, timeout=TIMEOUT)
+    assert code == 143 and "is in use by" not in output, output[-6000:]
 
 
 def _sentences_per_update(output):

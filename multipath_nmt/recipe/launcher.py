@@ -1,5 +1,13 @@
 """How train.sh starts more than one training process: torchrun, run in train.sh's own process so
-that the signals a scheduler sends reach every worker and the exit status says how they stopped."""
+that the signals a scheduler sends reach every worker and the exit status says how they stopped,
+and so that the workers die with it: torchrun starts each worker in a session of its own, so a
+``kill -9`` of train.sh (or of its process group) used to leave them training with no parent,
+rank 0 holding the save dir. Each worker now asks the kernel, before it ``exec``s, for SIGKILL
+when its parent ends (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``), as multipath-prepare's
+children die with it (:mod:`multipath_nmt.pipeline.tethered`)."""
+import contextlib
+import ctypes
+import functools
 import os
 import shlex
 import signal
@@ -60,6 +68,39 @@ def _children() -> List[int]:
 
 _passed_on = []  # the stop signals passed on to the workers, in order
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls it
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a worker between fork and exec (``preexec_fn``): SIGKILL when ``parent`` ends; if it
+    ended already (killed as the worker was forked), end now."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def workers_die_with_this_process():
+    """While in the block, every worker torchrun starts in this process (its
+    ``SubprocessHandler`` ``Popen``s them, from this thread) dies when this process does,
+    however it dies. torch's handler is wrapped, not copied: its other arguments stay its own."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    original = subprocess_handler.Popen
+
+    @functools.wraps(original)
+    def popen(*args, **kwargs):
+        if kwargs.get("preexec_fn") is None:
+            kwargs["preexec_fn"] = functools.partial(_die_with_parent, os.getpid())
+        return original(*args, **kwargs)
+
+    subprocess_handler.Popen = popen
+    try:
+        yield
+    finally:
+        subprocess_handler.Popen = original
+
 
 def _pass_on(signum, frame):
     workers = _children()
@@ -91,7 +132,8 @@ def run_launcher(argv: Sequence[str]) -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, _pass_on)
     try:
-        torchrun.run(args)
+        with workers_die_with_this_process():
+            torchrun.run(args)
     except ChildFailedError as error:
         codes = {failure.exitcode for failure in error.failures.values()}
         stops = {128 + int(signum): signal.Signals(signum).name for signum in STOP_SIGNALS}
