@@ -23,6 +23,8 @@ what is wrong with it, and the command that rebuilds the data-bin.
   sides, and that they have as many sentences.
 * :func:`rebuild_advice` reads the data-bin's ``.done`` (written by ``multipath-prepare``) and
   gives the ``multipath-prepare`` command that rebuilds it.
+* :func:`sentence_too_long` names the file and line of a valid or test sentence longer than the
+  model's positions (fairseq's ``Size of sample #N is invalid`` exception said neither).
 
 A check reads each file once, sequentially: about the speed of reading the files (see
 docs/troubleshooting.md for a measured WMT-sized data-bin).
@@ -396,3 +398,48 @@ def check_split(folder, split, src, tgt, dictionary_sizes=None, combine=True,
                                "two sides are not aligned", advice)
         total += counts.get(src) or 0
     return total
+
+
+# --- sentences longer than the model's positions ---------------------------------------------
+
+def sentence_count(prefix):
+    """The number of sentences ``prefix.idx`` says it indexes (its header), or None for a format
+    not read here."""
+    with open(str(prefix) + ".idx", "rb") as f:
+        head = f.read(max(_MMAP_HEADER.size, _LEGACY_HEADER.size))
+    if head.startswith(MMAP_MAGIC[:8]) and len(head) >= _MMAP_HEADER.size:
+        return _MMAP_HEADER.unpack(head[:_MMAP_HEADER.size])[3]
+    if head.startswith(LEGACY_MAGIC) and len(head) >= _LEGACY_HEADER.size:
+        return _LEGACY_HEADER.unpack(head[:_LEGACY_HEADER.size])[4]
+    return None
+
+
+def locate_sentence(folder, split, src, tgt, lang, index):
+    """(the ``.idx`` file of ``lang``, the sentence's number in it) for sentence ``index`` of
+    ``split`` as fairseq numbers the sentences of its shards (``split``, ``split1``, ...: one
+    after the other); None when the files do not hold that many."""
+    for prefix in split_prefixes(folder, split, src, tgt, combine=True):
+        count = sentence_count(prefix + lang)
+        if count is None:
+            return None
+        if index < count:
+            return prefix + lang + ".idx", index
+        index -= count
+    return None
+
+
+def sentence_too_long(folder, split, src, tgt, side, index, length, limit, longer=1):
+    """The :class:`DataBinError` for sentence ``index`` of ``split`` (as fairseq numbers them),
+    whose ``side`` ("source" or "target") has ``length`` tokens (its ``</s>`` included, as
+    fairseq counts), more than the model's ``limit`` positions; ``longer``: how many sentences
+    of the split are too long. Its line names the file, the sentence and its line in the text
+    fairseq-preprocess binarized (one sentence a line, in order), and the limit."""
+    lang = src if side == "source" else tgt
+    found = locate_sentence(folder, split, src, tgt, lang, index)
+    path, number = found if found else (os.path.join(str(folder), f"{split} ({lang})"), index)
+    others = f"; {longer - 1:,} more of the {split} split too" if longer > 1 else ""
+    return DataBinError(path, f"sentence {number} (line {number + 1} of the text it was binarized "
+                              f"from) has {length:,} tokens with its </s>, more than the model's "
+                              f"{limit:,} {side} positions (--max-{side}-positions){others}: "
+                              "shorten or remove it and binarize again, or pass "
+                              "--skip-invalid-size-inputs-valid-test to leave such sentences out")

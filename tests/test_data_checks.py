@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_command, run_fairseq
+from conftest import TOY_BASELINE, USER_DIR, run_command, run_fairseq
 from helpers.training import SMALL_BATCHES, train_command
 
 from multipath_nmt.data_bin_checks import (DataBinError, check_dictionary, check_indexed_file,
@@ -252,3 +252,74 @@ def test_the_advised_command_rebuilds_a_prepared_data_bin_byte_for_byte(tmp_path
     subprocess.run(["bash", "-c", advice], check=True, capture_output=True, timeout=300, env=env)
     check_split(out, "train", "en", "de")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# --- sentences longer than the model's positions (valid and test sets) ------------------------
+
+LONG = 1596  # the long line's tokens; fairseq-preprocess adds </s>: 1,597 in the .idx
+# the toy baseline's flags without "--num-workers 0" and "--disable-validation"
+_WORKERS = TOY_BASELINE.index("--num-workers")
+TRAIN_WITH_FAIRSEQS_DEFAULTS = [a for a in TOY_BASELINE[:_WORKERS] + TOY_BASELINE[_WORKERS + 2:]
+                                if a != "--disable-validation"]
+
+
+def with_a_long_sentence(toy_data_bin, folder, split, at=2):
+    """A copy of the toy data-bin in ``folder`` whose ``split`` has as its sentence ``at`` (line
+    ``at + 1``) a source sentence of :data:`LONG` tokens, longer than the models' 1,024."""
+    import torch
+    from fairseq.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+
+    data = Path(folder) / "data-bin"
+    shutil.copytree(toy_data_bin, data)
+    source = MMapIndexedDataset(str(toy_data_bin / f"{split}.en-de.en"))  # read from the original
+    words = check_dictionary(toy_data_bin / "dict.en.txt")
+    long = torch.tensor([4 + i % (words - 4) for i in range(LONG)] + [2], dtype=torch.int64)
+    prefix = str(data / f"{split}.en-de.en")
+    builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=source._index.dtype)
+    for i in range(len(source)):
+        builder.add_item(long if i == at else source[i])
+    builder.finalize(prefix + ".idx")
+    return data
+
+
+def _too_long(data, split):
+    return (f"{data}/{split}.en-de.en.idx: sentence 2 (line 3 of the text it was binarized from) "
+            f"has 1,597 tokens with its </s>, more than the model's 1,024 source positions "
+            "(--max-source-positions): shorten or remove it and binarize again, or pass "
+            "--skip-invalid-size-inputs-valid-test to leave such sentences out")
+
+
+def test_a_valid_sentence_longer_than_the_models_positions_is_one_line(toy_data_bin, tmp_path):
+    """Where fairseq's batching of a valid or test set raised ``Exception: Size of sample #2 is
+    invalid`` (no file, no line): the one line; with --skip-invalid-size-inputs-valid-test
+    (``ignore_invalid_inputs``) fairseq's own skipping, unchanged."""
+    from fairseq import options, tasks
+
+    data = with_a_long_sentence(toy_data_bin, tmp_path, "valid")
+    args = options.parse_args_and_arch(options.get_training_parser(),
+                                       [str(data), "--arch", "transformer"])
+    task = tasks.setup_task(args)
+    task.load_dataset("valid")
+    valid = task.dataset("valid")
+    with pytest.raises(DataBinError) as caught:
+        task.get_batch_iterator(valid, max_tokens=4096, max_positions=task.max_positions())
+    assert str(caught.value) == _too_long(data, "valid")
+    batches = task.get_batch_iterator(valid, max_tokens=4096, max_positions=task.max_positions(),
+                                      ignore_invalid_inputs=True)
+    assert sum(len(batch) for batch in batches.frozen_batches) == 39  # all but the long one
+
+
+@pytest.mark.slow
+def test_fairseq_train_with_a_valid_sentence_longer_than_the_models_positions_says_one_line(
+        toy_data_bin, tmp_path):
+    """fairseq's defaults: validation on, --num-workers 1. fairseq-train stopped in its start-up
+    validation (its dry run over the valid set) with a 30-line traceback, on every rerun."""
+    data = with_a_long_sentence(toy_data_bin, tmp_path, "valid")
+    command = [sys.executable, "-m", "fairseq_cli.train", data, *TRAIN_WITH_FAIRSEQS_DEFAULTS,
+               "--max-update", "3", "--save-dir", tmp_path / "ckpt", "--user-dir", USER_DIR]
+    assert "--num-workers" not in command and "--disable-validation" not in command
+    proc = run_command(command, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in output, output[-6000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"train.py: error: {_too_long(data, 'valid')}"
+    assert "num_updates" not in proc.stdout  # before the first update

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, script_env, start_command
+from conftest import ROOT, run_command, script_env, start_command
 from helpers.preloaded_python import kill_tree, process_tree
 
 TRANSLATE_SH = ROOT / "scripts" / "translate.sh"
@@ -113,3 +113,20 @@ def test_sigterm_to_translate_sh_stops_its_decoder_and_exits_143(toy_baseline_ru
     assert (f"translate.sh: SIGTERM: fairseq-generate was stopped (its output so far is in "
             f"{partial}); exiting with status 143") in output
     assert not (tmp_path / "mp.hyp").exists() and not (tmp_path / "mp.generate").exists()
+
+
+@pytest.mark.slow
+def test_a_test_sentence_longer_than_the_models_positions_is_one_line(toy_baseline_run,
+                                                                      toy_data_bin, tmp_path):
+    """translate.sh refuses a test set with a sentence longer than the model's positions, in
+    one line from fairseq-generate before it translates anything (it was a traceback and no
+    .hyp); it does not skip the sentence, which would score a subset of the test set."""
+    from test_data_checks import _too_long, with_a_long_sentence
+
+    data = with_a_long_sentence(toy_data_bin, tmp_path, "test")
+    proc = run_command(["bash", TRANSLATE_SH, data, toy_baseline_run / "checkpoint_last.pt",
+                        tmp_path / "mp"], env=script_env(MULTIPATH_NMT_NUM_GPUS="0"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"generate.py: error: {_too_long(data, 'test')}"
+    assert not (tmp_path / "mp.hyp").exists()
+    assert b"\nH-" not in (tmp_path / "mp.generate.tmp").read_bytes()  # nothing translated
