@@ -107,15 +107,18 @@ def unwritable_folder(path):
 def folder_written_atomically(path, replace=False):
     """Yield an empty temporary folder beside ``path`` (same parent, so the same file system) to
     fill; when the block ends without an exception, its files are fsynced and it is renamed to
-    ``path``. An existing ``path`` (``replace=True``; a symbolic link: the folder it points to)
-    is renamed aside first and removed after, so that ``path`` holds the old folder or the new
-    one, each whole. Any exception (KeyboardInterrupt and SystemExit too) removes the temporary
-    folder and leaves ``path`` as it was; an ``OSError`` (a full disk, no permission) is raised
-    as :class:`FolderNotWritten`. A ``kill -9`` leaves at most a ``<path>.<hex>.tmp`` folder
-    beside ``path``, which can be deleted."""
+    ``path``. An existing ``path`` (``replace=True``, else refused; a symbolic link: the folder
+    it points to) is renamed aside just before and removed after, so that ``path`` holds the old
+    folder or the new one, each whole (between the two renames, an instant, neither: a kill
+    there leaves the old one under the aside name). Any exception (KeyboardInterrupt and
+    SystemExit too) removes the temporary folder and leaves ``path`` as it was; an ``OSError``
+    (a full disk, no permission) is raised as :class:`FolderNotWritten`. A ``kill -9`` leaves at
+    most a ``<path>.<hex>.tmp`` folder beside ``path``, which can be deleted."""
     shown = os.fspath(path)
     path = os.path.realpath(shown) if replace else os.path.abspath(shown)
     problem = unwritable_folder(shown)
+    if not problem and os.path.lexists(path) and not replace:
+        problem = f"{shown} exists"
     if problem:
         raise FolderNotWritten(problem)
     tmp = _temporary_path(path)

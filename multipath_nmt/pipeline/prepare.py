@@ -52,8 +52,8 @@ from multipath_nmt.pipeline.archives import (  # noqa: F401
     mirror_url,
 )
 from multipath_nmt.pipeline.stages import (  # noqa: F401
-    DONE, SPLITS, PrepareError, Progress, check_languages, check_output_folder, check_parallel, count_lines, log,
-    open_text, read_lines, run_stage, stamp_of, work_dir_locked, write_lines, write_to,
+    DONE, SPLITS, PrepareError, Progress, check_languages, check_output_folder, check_parallel,
+    count_lines, log, open_text, read_lines, run_stage, stamp_of, work_dir_locked, write_lines, write_to,
 )
 from multipath_nmt.pipeline.text import (  # noqa: F401
     CHUNK_LINES, CLEAN_MAX, CLEAN_MAX_WORD_LENGTH, CLEAN_MIN, CLEAN_RATIO,
