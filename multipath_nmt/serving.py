@@ -16,10 +16,14 @@ import argparse
 import os
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
+from multipath_nmt.atomic_files import (FolderNotWritten, folder_written_atomically,
+                                        unwritable_folder)
+from multipath_nmt.checkpoint_io.dictionaries import check_dictionaries
 from multipath_nmt.checkpoint_io.reading import architecture, model_config, read_checkpoint
 
 
@@ -103,20 +107,66 @@ def read_unless_refused(checkpoint, obstacle, error, refusal):
     return state, model_cfg
 
 
+def language_pair(state, data_bin, source_lang=None, target_lang=None):
+    """The language pair of a model: given, else the checkpoint's task's, else what fairseq's
+    translation task infers from the data-bin's file names (``train.SRC-TGT.LANG.bin``); either
+    may be None when nothing says."""
+    from fairseq.data.data_utils import infer_language_pair
+
+    task = state["cfg"]["task"] if state.get("cfg") is not None else state.get("args")
+    source_lang = source_lang or config_setting(task, "source_lang")
+    target_lang = target_lang or config_setting(task, "target_lang")
+    if not (source_lang and target_lang) and os.path.isdir(data_bin):
+        source_lang, target_lang = infer_language_pair(str(data_bin))
+    return source_lang, target_lang
+
+
+def data_bin_dictionaries(checkpoint, data_bin, source_lang, target_lang, error):
+    """The source and target dictionaries of ``data_bin``, checked against the checkpoint as
+    fairseq-generate checks them
+    (:func:`~multipath_nmt.checkpoint_io.dictionaries.check_dictionaries`: the size of the
+    embeddings, and the symbols each save records): a data-bin whose dictionaries are not the
+    model's raises :class:`~multipath_nmt.checkpoint_io.DictionaryMismatchError`
+    with fairseq-generate's line, a missing dictionary ``error``."""
+    from fairseq.data import Dictionary
+
+    dictionaries = []
+    for lang in (source_lang, target_lang):
+        path = os.path.join(str(data_bin), f"dict.{lang}.txt")
+        if not os.path.isfile(path):
+            raise error(f"{data_bin}: no dict.{lang}.txt; give the data-bin the model was "
+                        "trained on")
+        dictionaries.append(Dictionary.load(path))
+    task = SimpleNamespace(source_dictionary=dictionaries[0], target_dictionary=dictionaries[1],
+                           cfg=SimpleNamespace(data=str(data_bin), source_lang=source_lang,
+                                               target_lang=target_lang))
+    check_dictionaries(checkpoint, task)
+    return dictionaries
+
+
 def convert_to_ctranslate2(checkpoint, data_bin, output_dir, quantization=None,
                            source_lang=None, target_lang=None, force=False):
     """Convert the fairseq checkpoint ``checkpoint`` (dictionaries in ``data_bin``) into a
     CTranslate2 model folder ``output_dir`` with CTranslate2's fairseq converter; ``quantization``
     as CTranslate2's (None keeps float32, "int8" ...). Raises :class:`NotServable` for a model
     CTranslate2 cannot express, :class:`~multipath_nmt.checkpoint_io.CheckpointError` for a file
-    that cannot be read. Returns ``output_dir``."""
+    that cannot be read or a data-bin that is not the model's,
+    :class:`~multipath_nmt.atomic_files.FolderNotWritten` for an ``output_dir`` that cannot be
+    written (checked first). The folder appears whole or not at all; with ``force`` an existing
+    one is replaced once the new one is complete. Returns ``output_dir``."""
     try:
         from ctranslate2.converters import FairseqConverter
     except ImportError:
         raise NotServable("CTranslate2 is not installed: pip install ctranslate2") from None
+    problem = unwritable_folder(output_dir)
+    if problem:
+        raise FolderNotWritten(problem)
     checkpoint = str(checkpoint)
     state, model_cfg = read_unless_refused(checkpoint, ctranslate2_obstacle, NotServable,
                                            "cannot run in CTranslate2")
+    source_lang, target_lang = language_pair(state, data_bin, source_lang, target_lang)
+    if source_lang and target_lang:  # else the converter says what it misses
+        data_bin_dictionaries(checkpoint, data_bin, source_lang, target_lang, NotServable)
     with tempfile.TemporaryDirectory(prefix="multipath-ctranslate2-") as scratch:
         # the layout the converter reads (torch.load(weights_only=True): the Namespace is on
         # the safe-loading allow-list the plug-in installs)
@@ -124,7 +174,10 @@ def convert_to_ctranslate2(checkpoint, data_bin, output_dir, quantization=None,
         torch.save({"args": _as_namespace(model_cfg), "cfg": None, "model": state["model"]}, path)
         converter = FairseqConverter(path, str(data_bin), source_lang=source_lang,
                                      target_lang=target_lang)
-        return converter.convert(str(output_dir), quantization=quantization, force=force)
+        with folder_written_atomically(output_dir, replace=force) as folder:
+            # force: the converter empties the fresh temporary folder it is given
+            converter.convert(folder, quantization=quantization, force=True)
+    return output_dir
 
 
 class Translations(NamedTuple):
@@ -136,6 +189,20 @@ class Translations(NamedTuple):
         return len(self.hypotheses) / self.seconds if self.seconds > 0 else float("inf")
 
 
+_CONVERT_ONE = "give a folder written by multipath-ctranslate2 convert"
+
+
+def ctranslate2_model_problem(model_dir) -> Optional[str]:
+    """Why ``model_dir`` is not a CTranslate2 model folder, in one line, or None: a missing
+    folder, or one without the ``model.bin`` that convert writes (a damaged one is found when
+    CTranslate2 loads it, :func:`translate`)."""
+    if not os.path.isdir(model_dir):
+        return f"{model_dir}: no such folder; {_CONVERT_ONE}"
+    if not os.path.isfile(os.path.join(model_dir, "model.bin")):
+        return f"{model_dir}: not a CTranslate2 model folder (no model.bin); {_CONVERT_ONE}"
+    return None
+
+
 def translate(model_dir, sentences: Sequence[Sequence[str]], beam=4, lenpen=1.0, max_len_b=200,
               batch_size=64, compute_type="default", threads=0, device="cpu") -> Translations:
     """The best hypothesis of each tokenized sentence of ``sentences`` under the CTranslate2 model
@@ -143,11 +210,19 @@ def translate(model_dir, sentences: Sequence[Sequence[str]], beam=4, lenpen=1.0,
     length ** ``lenpen``, at most ``max_len_b`` tokens (fairseq's --max-len-a 0), the source
     followed by </s> (the converter sets that). ``compute_type``: CTranslate2's ("float32",
     "int8", ...; "default" is the type the model was converted with). ``threads``: 0 lets
-    CTranslate2 choose."""
+    CTranslate2 choose. Raises :class:`NotServable` (one line) for a folder that is not a model
+    or that CTranslate2 cannot load."""
     import ctranslate2
 
-    translator = ctranslate2.Translator(str(model_dir), device=device, compute_type=compute_type,
-                                        intra_threads=threads)
+    problem = ctranslate2_model_problem(model_dir)
+    if problem:
+        raise NotServable(problem)
+    try:
+        translator = ctranslate2.Translator(str(model_dir), device=device,
+                                            compute_type=compute_type, intra_threads=threads)
+    except (RuntimeError, ValueError) as error:  # a damaged or foreign model.bin, a bad type
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise NotServable(f"{model_dir}: CTranslate2 cannot load it ({reason})") from None
     start = time.perf_counter()
     results = translator.translate_batch([list(s) for s in sentences], beam_size=beam,
                                          length_penalty=lenpen, max_decoding_length=max_len_b,

@@ -185,3 +185,97 @@ def test_convert_refuses_what_ctranslate2_cannot_express(arch, encoder_ffn, fami
     assert proc.stderr.strip() == (f"multipath-ctranslate2: error: {tmp_path / 'model.pt'}: "
                                    f"{arch} cannot run in CTranslate2: {reason}")
     assert not (tmp_path / "ct2").exists()
+
+
+# --- CTranslate2: what convert and translate refuse, a folder written whole or not at all ---
+
+def _ct2(*argv):
+    from multipath_nmt.cli.ctranslate2 import main
+
+    main([str(a) for a in argv])
+
+
+def _refusal(*argv):
+    """The one line ``multipath-ctranslate2 ARGV`` exits with (status 1: sys.exit of a string)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _ct2(*argv)
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    return message
+
+
+@pytest.fixture
+def baseline_checkpoint(toy_baseline_run):
+    return toy_baseline_run / "checkpoint_last.pt"
+
+
+def test_convert_refuses_a_data_bin_with_other_symbols_as_fairseq_generate(
+        ctranslate2, baseline_checkpoint, toy_data_bin, tmp_path):
+    from fairseq.data import Dictionary
+    from helpers.export_targets import data_bin_with_other_symbols
+
+    other, first, second = data_bin_with_other_symbols(toy_data_bin, tmp_path)
+    entries = len(Dictionary.load(str(other / "dict.en.txt")))
+    out = tmp_path / "ct2"
+    assert _refusal("convert", baseline_checkpoint, other, out) == (
+        f"multipath-ctranslate2: error: {baseline_checkpoint}: its source dictionary is not "
+        f"{other / 'dict.en.txt'}, although both have {entries} entries: token id 4 is "
+        f"{first!r} in the checkpoint but {second!r} in the data-bin's; use the data-bin (and "
+        "dictionaries) the model was trained on")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-symbols"]
+
+
+def test_convert_force_replaces_the_old_folder_only_once_the_new_one_is_complete(
+        ctranslate2, baseline_checkpoint, toy_data_bin, tmp_path, monkeypatch):
+    from ctranslate2.specs import model_spec
+
+    out = tmp_path / "ct2"
+    out.mkdir()
+    (out / "model.bin").write_text("the old model")
+    save = model_spec.ModelSpec.save
+
+    def interrupted(self, folder):
+        save(self, folder)
+        raise KeyboardInterrupt  # the new model written, the rename not done
+
+    monkeypatch.setattr(model_spec.ModelSpec, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _ct2("convert", baseline_checkpoint, toy_data_bin, out, "--force")
+    assert [p.name for p in tmp_path.iterdir()] == ["ct2"]  # no temporary folder left
+    assert [p.name for p in out.iterdir()] == ["model.bin"]
+    assert (out / "model.bin").read_text() == "the old model"
+    monkeypatch.setattr(model_spec.ModelSpec, "save", save)
+    _ct2("convert", baseline_checkpoint, toy_data_bin, out, "--force")
+    assert (out / "model.bin").read_bytes() != b"the old model"
+    assert [p.name for p in tmp_path.iterdir()] == ["ct2"]
+
+
+@pytest.mark.parametrize("target", ["under-a-file", "dangling-symlink"])
+def test_convert_refuses_an_output_folder_that_cannot_be_written_before_any_work(
+        ctranslate2, target, tmp_path):
+    # the checkpoint does not exist: the folder is checked before anything is read
+    from helpers.export_targets import unwritable_targets
+
+    out, reason = unwritable_targets(tmp_path)[target]
+    assert _refusal("convert", tmp_path / "no.pt", tmp_path, out) == \
+        f"multipath-ctranslate2: error: {reason}"
+
+
+def test_translate_with_a_wrong_model_folder_or_input_says_so_in_one_line(ctranslate2, tmp_path):
+    sentences = tmp_path / "test.bpe.en"
+    sentences.write_text("w1 w2\n")
+    assert _refusal("translate", tmp_path / "none", "--input", sentences) == (
+        f"multipath-ctranslate2: error: {tmp_path / 'none'}: no such folder; give a folder "
+        "written by multipath-ctranslate2 convert")
+    (tmp_path / "empty").mkdir()
+    assert _refusal("translate", tmp_path / "empty", "--input", sentences) == (
+        f"multipath-ctranslate2: error: {tmp_path / 'empty'}: not a CTranslate2 model folder "
+        "(no model.bin); give a folder written by multipath-ctranslate2 convert")
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "model.bin").write_bytes(b"not a model")
+    line = _refusal("translate", tmp_path / "damaged", "--input", sentences)
+    assert line.startswith(f"multipath-ctranslate2: error: {tmp_path / 'damaged'}: CTranslate2 "
+                           "cannot load it (")
+    assert _refusal("translate", tmp_path / "damaged", "--input", tmp_path / "missing.en") == (
+        f"multipath-ctranslate2: error: cannot read --input {tmp_path / 'missing.en'}: No such "
+        "file or directory (errno 2)")

@@ -13,7 +13,8 @@ import argparse
 import os
 import sys
 
-from multipath_nmt.serving import convert_to_ctranslate2, translate
+from multipath_nmt.atomic_files import os_error_reason
+from multipath_nmt.serving import convert_to_ctranslate2, ctranslate2_model_problem, translate
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
                  "bfloat16", "float32")
@@ -52,7 +53,14 @@ def build_parser():
 
 
 def _translate(args):
-    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    problem = ctranslate2_model_problem(args.model_dir)  # before reading the input
+    if problem:
+        sys.exit(f"multipath-ctranslate2: error: {problem}")
+    try:
+        source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    except OSError as err:
+        sys.exit(f"multipath-ctranslate2: error: cannot read --input {args.input}: "
+                 f"{os_error_reason(err)}")
     with source:
         sentences = [line.split() for line in source]
     result = translate(args.model_dir, sentences, beam=args.beam, lenpen=args.lenpen,
@@ -81,7 +89,7 @@ def main(argv=None):
             print(f"wrote {args.output_dir}")
         else:
             _translate(args)
-    except ValueError as err:  # NotServable, CheckpointError, the converter's checks
+    except ValueError as err:  # NotServable, CheckpointError, FolderNotWritten, the converter's
         sys.exit(f"multipath-ctranslate2: error: {err}")
 
 
