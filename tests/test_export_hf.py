@@ -11,9 +11,12 @@ Hugging Face transformers folders, and ONNX Runtime for the dense ones.
 - ONNX (optimum + ONNX Runtime): greedy output identical to PyTorch's on the toy test set.
 No Hub access: HF_HUB_OFFLINE, and the remote code's module cache under the test's tmp folder.
 """
+import errno
 import io
+import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import sacrebleu
@@ -127,7 +130,6 @@ def test_folded_ewa_logits_equal_the_ewa_models(tmp_path):
 
 
 def test_remote_code_is_the_packages_source(tmp_path):
-    from pathlib import Path
 
     import multipath_nmt.modules as modules
     import multipath_nmt.modules.multipath as multipath
@@ -368,9 +370,185 @@ def test_cli_refuses_an_existing_folder_and_missing_codes_in_one_line(tmp_path, 
     with pytest.raises(SystemExit) as exists:
         main(["model.pt", str(tmp_path / "hf"), "--data-bin", "data-bin"])
     assert exists.value.code == (f"multipath-export-hf: error: {tmp_path / 'hf'} exists "
-                                 "(--force writes into it)")
+                                 "(--force replaces it)")
     with pytest.raises(SystemExit) as no_codes:
         main(["model.pt", str(tmp_path / "new"), "--data-bin", "data-bin", "--bpe-codes",
               str(tmp_path / "codes")])
     assert no_codes.value.code == (f"multipath-export-hf: error: --bpe-codes "
                                    f"{tmp_path / 'codes'} is not a file")
+
+
+# --- what the export refuses, and a folder written whole or not at all -----------------------
+
+def _export(*argv):
+    from multipath_nmt.cli.export_hf import main
+
+    main([str(a) for a in argv])
+
+
+def _refusal(*argv):
+    """The one line ``multipath-export-hf ARGV`` exits with (status 1: sys.exit of a string)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _export(*argv)
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message, message
+    return message
+
+
+def _siblings(folder):
+    return sorted(p.name for p in folder.parent.iterdir())
+
+
+@pytest.fixture
+def baseline_checkpoint(toy_baseline_run):
+    return toy_baseline_run / "checkpoint_last.pt"
+
+
+@pytest.fixture
+def bpe_codes(tmp_path):
+    codes = tmp_path / "bpecodes"
+    codes.write_text("#version: 0.2\nw 1\nx 1\n", encoding="utf-8")
+    return codes
+
+
+def test_a_data_bin_with_other_symbols_is_refused_as_fairseq_generate_refuses_it(
+        baseline_checkpoint, toy_data_bin, tmp_path):
+    from fairseq.data import Dictionary
+    from helpers.export_targets import data_bin_with_other_symbols
+
+    other, first, second = data_bin_with_other_symbols(toy_data_bin, tmp_path)
+    entries = len(Dictionary.load(str(other / "dict.en.txt")))
+    line = (f"{baseline_checkpoint}: its source dictionary is not {other / 'dict.en.txt'}, "
+            f"although both have {entries} entries: token id 4 is {first!r} in the checkpoint "
+            f"but {second!r} in the data-bin's; use the data-bin (and dictionaries) the model "
+            "was trained on")
+    out = tmp_path / "hf"
+    assert _refusal(baseline_checkpoint, out, "--data-bin", other) == \
+        f"multipath-export-hf: error: {line}"
+    assert _siblings(out) == ["other-symbols"]
+    generate = run_fairseq("generate", other, "--path", baseline_checkpoint, "--gen-subset",
+                           "test", "--beam", "1", check=False)
+    assert generate.returncode == 1 and line in generate.stderr
+
+
+def test_force_replaces_the_old_folder_whole(baseline_checkpoint, toy_data_bin, bpe_codes,
+                                             tmp_path):
+    out, fresh = tmp_path / "hf", tmp_path / "fresh"
+    _export(baseline_checkpoint, out, "--data-bin", toy_data_bin, "--bpe-codes", bpe_codes)
+    assert (out / "tokenizer_config.json").is_file()
+    _export(baseline_checkpoint, out, "--data-bin", toy_data_bin, "--force")
+    _export(baseline_checkpoint, fresh, "--data-bin", toy_data_bin)
+    # the last model's tokenizer files are gone with the old folder
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    assert _siblings(out) == ["bpecodes", "fresh", "hf"]  # no temporary folder left
+
+
+def _an_old_export(out):
+    """A folder standing for an earlier export, with files that no new export writes the same:
+    its files and their bytes."""
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (out / name).write_text(f"the old {name}")
+    return {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["fresh", "force"])
+def test_an_export_interrupted_after_the_weights_leaves_no_folder_or_the_old_one(
+        force, baseline_checkpoint, toy_data_bin, tmp_path, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) where the generation config is written, the weights already
+    saved: no folder at all, or the old one as it was; no temporary folder left."""
+    out = tmp_path / "hf"
+    if force:
+        before = _an_old_export(out)
+
+    save = transformers.GenerationConfig.save_pretrained
+    interruptions = []
+
+    def interrupted(self, folder, *args, **kwargs):
+        # the model's save_pretrained writes a default generation config before its weights
+        if not (Path(folder) / "model.safetensors").is_file():
+            return save(self, folder, *args, **kwargs)
+        interruptions.append(folder)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transformers.GenerationConfig, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _export(baseline_checkpoint, out, "--data-bin", toy_data_bin, *["--force"] * force)
+    assert len(interruptions) == 1
+    if force:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+    assert _siblings(out) == (["hf"] if force else [])
+
+
+# killed with SIGKILL at the moment it writes the search's generation config, the weights written
+# (the model's save_pretrained writes a default one before its weights)
+KILLED_AFTER_THE_WEIGHTS = """
+import os, signal, sys
+import transformers
+save = transformers.GenerationConfig.save_pretrained
+def killed(self, folder, *args, **kwargs):
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return save(self, folder, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+transformers.GenerationConfig.save_pretrained = killed
+from multipath_nmt.cli.export_hf import main
+main(sys.argv[1:])
+"""
+
+
+def test_kill_9_after_the_weights_leaves_the_old_folder_whole(baseline_checkpoint, toy_data_bin,
+                                                              tmp_path):
+    import subprocess
+
+    out = tmp_path / "hf"
+    before = _an_old_export(out)
+    proc = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_WEIGHTS, str(baseline_checkpoint),
+                           str(out), "--data-bin", str(toy_data_bin), "--force"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # what the kill left: the unfinished new folder beside it, under a temporary name
+    left = [p for p in tmp_path.iterdir() if p.name != "hf"]
+    assert len(left) == 1 and re.fullmatch(r"hf\.[0-9a-f]{8}\.tmp", left[0].name), left
+    assert (left[0] / "model.safetensors").is_file()
+
+
+def test_gzipped_bpe_codes_are_refused_in_one_line_and_leave_no_folder(
+        baseline_checkpoint, toy_data_bin, bpe_codes, tmp_path):
+    import gzip
+
+    gzipped = tmp_path / "bpecodes.gz"
+    gzipped.write_bytes(gzip.compress(bpe_codes.read_bytes()))
+    out = tmp_path / "hf"
+    assert _refusal(baseline_checkpoint, out, "--data-bin", toy_data_bin, "--bpe-codes",
+                    gzipped) == (f"multipath-export-hf: error: --bpe-codes {gzipped} is "
+                                 "gzipped: gunzip it (subword-nmt's codes are plain text)")
+    assert not out.exists() and _siblings(out) == ["bpecodes", "bpecodes.gz"]
+
+
+@pytest.mark.parametrize("target", ["under-a-file", "dangling-symlink"])
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(target, tmp_path):
+    # the checkpoint does not exist: the folder is checked before anything is read
+    from helpers.export_targets import unwritable_targets
+
+    out, reason = unwritable_targets(tmp_path)[target]
+    assert _refusal(tmp_path / "no.pt", out, "--data-bin", tmp_path) == \
+        f"multipath-export-hf: error: {reason}"
+
+
+def test_a_full_disk_while_writing_the_weights_leaves_no_folder(baseline_checkpoint, toy_data_bin,
+                                                                tmp_path, monkeypatch):
+    """ENOSPC from save_pretrained after it wrote part of a file (simulated: the tests cannot
+    fill a disk): one line, no folder, no temporary folder."""
+    def disk_full(self, folder, *args, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"part of the weights")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", disk_full)
+    out = tmp_path / "hf"
+    assert _refusal(baseline_checkpoint, out, "--data-bin", toy_data_bin) == (
+        f"multipath-export-hf: error: cannot write {out}: No space left on device (errno 28); "
+        f"{out} is as it was")
+    assert _siblings(out) == []

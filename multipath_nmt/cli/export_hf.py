@@ -29,24 +29,25 @@ def build_parser():
                                             "write the tokenizer (raw text -> ids)")
     parser.add_argument("--source-lang", help="if the checkpoint does not record it")
     parser.add_argument("--target-lang", help="if the checkpoint does not record it")
-    parser.add_argument("--force", action="store_true", help="write into an existing output_dir")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing output_dir (once the new folder is complete)")
     return parser
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if os.path.exists(args.output_dir) and not args.force:
-        sys.exit(f"multipath-export-hf: error: {args.output_dir} exists (--force writes into it)")
+        sys.exit(f"multipath-export-hf: error: {args.output_dir} exists (--force replaces it)")
     if args.bpe_codes and not os.path.isfile(args.bpe_codes):
         sys.exit(f"multipath-export-hf: error: --bpe-codes {args.bpe_codes} is not a file")
     try:
         export_to_transformers(args.checkpoint, args.data_bin, args.output_dir,
                                bpe_codes=args.bpe_codes, source_lang=args.source_lang,
-                               target_lang=args.target_lang)
+                               target_lang=args.target_lang, force=args.force)
     except ImportError as err:
         sys.exit(f"multipath-export-hf: error: {err.name or err} is not installed: "
                  "pip install transformers")
-    except ValueError as err:  # NotExportable, CheckpointError
+    except ValueError as err:  # NotExportable, CheckpointError, FolderNotWritten
         sys.exit(f"multipath-export-hf: error: {err}")
     print(f"wrote {args.output_dir}")
 

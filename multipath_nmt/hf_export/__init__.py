@@ -18,15 +18,17 @@ Token ids are the fairseq dictionary's; ``generation_config.json`` holds fairseq
 as translate.sh runs it (:func:`generation_settings`). The model card (README.md) comes from
 :func:`model_card`.
 """
-import os
 import re
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from multipath_nmt.atomic_files import (FolderNotWritten, folder_written_atomically,
+                                        unwritable_folder)
 from multipath_nmt.checkpoint_io.reading import model_config
-from multipath_nmt.serving import config_setting, model_name, read_unless_refused
+from multipath_nmt.serving import (config_setting, data_bin_dictionaries, language_pair, model_name,
+                                   read_unless_refused)
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -107,26 +109,9 @@ def export_obstacle(model_cfg) -> Optional[str]:
     return None
 
 
-def _dictionary(data_bin, lang):
-    from fairseq.data import Dictionary
-
-    path = Path(data_bin) / f"dict.{lang}.txt"
-    if not path.is_file():
-        raise NotExportable(f"{data_bin}: no dict.{lang}.txt; give the data-bin the model was "
-                            "trained on (--data-bin)")
-    return Dictionary.load(str(path))
-
-
 def _languages(state, data_bin, source_lang, target_lang):
-    """The language pair: given, else the checkpoint's task's, else what fairseq's translation
-    task infers from the data-bin's file names (``train.SRC-TGT.LANG.bin``)."""
-    from fairseq.data.data_utils import infer_language_pair
-
-    task = state["cfg"]["task"] if state.get("cfg") is not None else state.get("args")
-    source_lang = source_lang or config_setting(task, "source_lang")
-    target_lang = target_lang or config_setting(task, "target_lang")
-    if not (source_lang and target_lang):
-        source_lang, target_lang = infer_language_pair(str(data_bin))
+    """The language pair (:func:`multipath_nmt.serving.language_pair`)."""
+    source_lang, target_lang = language_pair(state, data_bin, source_lang, target_lang)
     if not (source_lang and target_lang):
         raise NotExportable(f"{data_bin}: neither the checkpoint nor the data-bin's file names "
                             "give the language pair; give --source-lang and --target-lang")
@@ -283,22 +268,34 @@ def remote_code(out_dir):
 
 
 def export_to_transformers(checkpoint, data_bin, out_dir, bpe_codes=None, source_lang=None,
-                           target_lang=None):
+                           target_lang=None, force=False):
     """Write the ``transformers`` model folder ``out_dir`` for the fairseq checkpoint
     ``checkpoint`` (dictionaries in ``data_bin``): config.json, model.safetensors,
     generation_config.json, README.md (the model card) and, for a multi-path model, its remote
     code; with ``bpe_codes`` (subword-nmt's codes of the data-bin), the tokenizer
-    (:mod:`multipath_nmt.hf_export.tokenizer`). Raises :class:`NotExportable` (one line) for a
-    model it cannot export, :class:`~multipath_nmt.checkpoint_io.CheckpointError` for a file that
-    cannot be read. Returns ``out_dir``."""
+    (:mod:`multipath_nmt.hf_export.tokenizer`). The folder appears whole or not at all
+    (:func:`~multipath_nmt.atomic_files.folder_written_atomically`); with ``force`` an existing
+    one is replaced once the new one is complete. Raises :class:`NotExportable` (one line) for a
+    model it cannot export or codes that are not subword-nmt's,
+    :class:`~multipath_nmt.checkpoint_io.CheckpointError` for a file that cannot be read or a
+    data-bin that is not the model's (fairseq-generate's check),
+    :class:`~multipath_nmt.atomic_files.FolderNotWritten` for an ``out_dir`` that cannot be
+    written (checked first). Returns ``out_dir``."""
     from transformers import GenerationConfig
 
+    from multipath_nmt.hf_export.card import model_card
+    from multipath_nmt.hf_export.tokenizer import bpe_merges, save_tokenizer
+
+    problem = unwritable_folder(out_dir)
+    if problem:
+        raise FolderNotWritten(problem)
     checkpoint = str(checkpoint)
     state, model_cfg = read_unless_refused(checkpoint, export_obstacle, NotExportable,
                                            "cannot be exported to transformers")
     source_lang, target_lang = _languages(state, data_bin, source_lang, target_lang)
-    dictionary = _dictionary(data_bin, source_lang)
-    if _dictionary(data_bin, target_lang).symbols != dictionary.symbols:
+    dictionary, target_dictionary = data_bin_dictionaries(checkpoint, data_bin, source_lang,
+                                                          target_lang, NotExportable)
+    if target_dictionary.symbols != dictionary.symbols:
         raise NotExportable(f"{data_bin}: dict.{source_lang}.txt and dict.{target_lang}.txt "
                             "differ: M2M100 holds one vocabulary (--share-all-embeddings needs a "
                             "joined dictionary)")
@@ -307,18 +304,17 @@ def export_to_transformers(checkpoint, data_bin, out_dir, bpe_codes=None, source
         raise NotExportable(f"{data_bin}: its dictionary has {len(dictionary)} entries, the "
                             f"model's embeddings {rows}: give the data-bin the model was "
                             "trained on")
+    merges = bpe_merges(bpe_codes) if bpe_codes is not None else None
     model = build_transformers_model(state, dictionary)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    if _is_multipath(model_cfg):
-        remote_code(out_dir)
-    GenerationConfig(**generation_settings(model_cfg, dictionary)).save_pretrained(out_dir)
-    if bpe_codes is not None:
-        from multipath_nmt.hf_export.tokenizer import save_tokenizer
-
-        save_tokenizer(out_dir, dictionary, bpe_codes, source_lang, target_lang)
-    from multipath_nmt.hf_export.card import model_card
-
-    Path(out_dir, "README.md").write_text(
-        model_card(checkpoint, state, model, source_lang, target_lang), encoding="utf-8")
+    card = model_card(checkpoint, state, model, source_lang, target_lang)
+    # everything is read: from here on the export only writes, into a folder that takes the
+    # place of out_dir once complete
+    with folder_written_atomically(out_dir, replace=force) as folder:
+        model.save_pretrained(folder)
+        if _is_multipath(model_cfg):
+            remote_code(folder)
+        GenerationConfig(**generation_settings(model_cfg, dictionary)).save_pretrained(folder)
+        if merges is not None:
+            save_tokenizer(folder, dictionary, merges, source_lang, target_lang)
+        Path(folder, "README.md").write_text(card, encoding="utf-8")
     return out_dir

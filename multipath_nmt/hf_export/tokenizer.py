@@ -12,6 +12,7 @@ not applied. FSMT's vocabulary writes a word-final piece as ``piece</w>`` and an
 renames them, ids unchanged.
 """
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -34,13 +35,40 @@ def fsmt_vocabulary(dictionary):
     return vocabulary
 
 
-def save_tokenizer(out_dir, dictionary, bpe_codes, source_lang, target_lang):
-    """Write FSMTTokenizer's files for ``dictionary`` and subword-nmt's ``bpe_codes`` into
-    ``out_dir``."""
+def bpe_merges(bpe_codes):
+    """The merges of subword-nmt's codes file ``bpe_codes`` (its lines but ``#version``); raises
+    :class:`~multipath_nmt.hf_export.NotExportable` (one line) for a file that is not codes: a
+    gzipped one, one that is not UTF-8 text, a line that is not two symbols."""
+    from multipath_nmt.hf_export import NotExportable
+
+    content = Path(bpe_codes).read_bytes()
+    if content.startswith(b"\x1f\x8b"):
+        raise NotExportable(f"--bpe-codes {bpe_codes} is gzipped: gunzip it (subword-nmt's codes "
+                            "are plain text)")
+    try:
+        codes = content.decode("utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise NotExportable(
+            f"--bpe-codes {bpe_codes} is not UTF-8 text (byte {error.start}): give "
+            "subword-nmt's codes (multipath-prepare's data-bin/bpecodes)") from None
+    merges = []
+    for number, line in enumerate(codes, 1):
+        if line.startswith("#version"):
+            continue
+        if len(line.strip(" ").split(" ")) != 2:  # as subword-nmt's apply_bpe reads a line
+            raise NotExportable(f"--bpe-codes {bpe_codes}: line {number} is not a merge ('A B'): "
+                                "give subword-nmt's codes (multipath-prepare's data-bin/bpecodes)")
+        merges.append(line)
+    return merges
+
+
+def save_tokenizer(out_dir, dictionary, merges, source_lang, target_lang):
+    """Write FSMTTokenizer's files for ``dictionary`` and the BPE ``merges`` (:func:`bpe_merges`;
+    or the path of subword-nmt's codes file) into ``out_dir``."""
     from transformers import FSMTTokenizer
 
-    codes = Path(bpe_codes).read_text(encoding="utf-8").splitlines()
-    merges = [line for line in codes if not line.startswith("#version")]
+    if isinstance(merges, (str, os.PathLike)):
+        merges = bpe_merges(merges)
     vocabulary = json.dumps(fsmt_vocabulary(dictionary), ensure_ascii=False)
     with tempfile.TemporaryDirectory(prefix="multipath-export-hf-") as scratch:
         vocab_file, merges_file = Path(scratch, "vocab.json"), Path(scratch, "merges.txt")
