@@ -381,3 +381,36 @@ def test_a_byte_order_mark_at_the_start_of_a_raw_reference_costs_nothing(tmp_pat
     (tmp_path / "ref").write_text("".join(t + "\n" for t in tokenized), encoding="utf-8")
     scores = scoring.score_files(hyp, tmp_path / "ref", raw_refs=[raw], lang="de")
     assert (round(scores.sacrebleu, 2), round(scores.chrf, 2)) == (100.0, 100.0)
+
+
+def test_multipath_prepare_reads_its_text_without_a_byte_order_mark(tmp_path):
+    """multipath-prepare reads every input (plain or gzipped) without a leading byte-order mark,
+    so that the references it writes as DATA_BIN/test.raw.LANG have none for other scorers
+    either; a mark later in a line is text and stays."""
+    import gzip
+
+    from multipath_nmt.pipeline.stages import read_lines
+
+    text = "\ufeffDas ist gut.\nSie sagte: \ufeffNein.\n"
+    (tmp_path / "test.de").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "test.de.gz", "wt", encoding="utf-8") as f:
+        f.write(text)
+    for name in ("test.de", "test.de.gz"):
+        assert list(read_lines(tmp_path / name)) == ["Das ist gut.", "Sie sagte: \ufeffNein."]
+
+
+@pytest.mark.slow
+def test_multipath_prepare_writes_raw_references_without_a_byte_order_mark(tmp_path):
+    from multipath_nmt.pipeline.synthetic import generate
+
+    for split, pairs in generate({"train": 150, "valid": 20, "test": 20}, seed=5).items():
+        for column, lang in enumerate(("en", "de")):
+            (tmp_path / f"{split}.{lang}").write_bytes(
+                b"\xef\xbb\xbf" + "".join(p[column] + "\n" for p in pairs).encode())
+    out = tmp_path / "bin"
+    run_cli([sys.executable, "-m", "multipath_nmt.cli.prepare", "corpus", "--src", "en",
+             "--tgt", "de", "--bpe-merges", "60", "--workers", "1", "--out", out,
+             *[arg for s in ("train", "valid", "test") for arg in (f"--{s}", tmp_path / s)]])
+    expected = "".join(p[1] + "\n" for p in generate({"train": 150, "valid": 20, "test": 20},
+                                                     seed=5)["test"])
+    assert (out / "test.raw.de").read_text(encoding="utf-8") == expected

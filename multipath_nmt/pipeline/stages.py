@@ -126,11 +126,13 @@ def stamp_of(path):
 
 
 def open_text(path):
-    """UTF-8 text, gzipped or not; lines end at "\\n" only, like Perl's (a stray "\\r" stays in the line)."""
+    """UTF-8 text, gzipped or not; lines end at "\\n" only, like Perl's (a stray "\\r" stays in the line).
+    A byte-order mark at the start is not read ("utf-8-sig"): it is no text of the first line, and
+    the references written as DATA_BIN/test.raw.LANG would carry it into sacreBLEU and chrF."""
     path = Path(path)
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", newline="\n")
-    return open(path, encoding="utf-8", newline="\n")
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="\n")
+    return open(path, encoding="utf-8-sig", newline="\n")
 
 
 def read_lines(path):
