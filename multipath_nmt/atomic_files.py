@@ -79,9 +79,10 @@ def _missing_target(path):
 
 def unwritable_folder(path):
     """Why a folder cannot be written at ``path``, in one line, or None. Refused: a symbolic link
-    to nothing, a file, a path under a file; then the missing parents are created and a temporary
-    folder is made and removed beside ``path``, which fails as the real write would (a read-only
-    file system, no permission, a full disk)."""
+    to nothing, a file, a path under a file; then a temporary folder is made and removed in the
+    nearest folder that exists (``path``'s parent, or the folder its missing parents would be
+    created in), which fails as the real write would (a read-only file system, no permission, a
+    full disk). Nothing else is created."""
     path = os.fspath(path)
     if _missing_target(path):
         return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
@@ -94,8 +95,7 @@ def unwritable_folder(path):
     if not os.path.isdir(ancestor):
         return f"cannot create {path}: {ancestor} is a file, not a folder"
     try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        probe = _temporary_path(target)
+        probe = _temporary_path(os.path.join(ancestor, os.path.basename(target)))
         os.mkdir(probe)
         os.rmdir(probe)
     except OSError as error:
@@ -123,6 +123,7 @@ def folder_written_atomically(path, replace=False):
         raise FolderNotWritten(problem)
     tmp = _temporary_path(path)
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         os.mkdir(tmp)
         yield tmp
         _fsync_tree(tmp)

@@ -104,18 +104,19 @@ def run_stage(final, label, params, build):
     try:
         build(partial)
         (partial / DONE).write_text(stamp, encoding="utf-8")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
     except PrepareError:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     except OSError as error:  # a write of the stage failed: a full disk, a file system gone read-only
         shutil.rmtree(partial, ignore_errors=True)
+        where = f" ({error.filename})" if error.filename else ""
         fix = ("free disk space" if error.errno in _NO_SPACE
                else "check that you can write there")
-        raise PrepareError(f"cannot write {final}: {os_error_reason(error)}; its unfinished {partial} "
-                           f"was removed: {fix} and run the same command again") from None
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
+        raise PrepareError(f"cannot write {final}: {os_error_reason(error)}{where}; its unfinished "
+                           f"{partial} was removed: {fix} and run the same command again") from None
     return final
 
 
