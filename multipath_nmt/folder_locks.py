@@ -29,6 +29,14 @@ import socket
 import sys
 import time
 
+# The lock file of a fairseq-train --save-dir, held by the run's rank 0
+# (multipath_nmt/fairseq_patches/save_dirs.py) and checked by train.sh before it starts one.
+SAVE_DIR_LOCK = "fairseq-train.lock"
+# The files that train.sh asks fairseq-train's rank 0 to write into the save dir once it holds
+# its lock, a JSON object {file name: text} in this environment variable: nothing is written
+# into a save dir by a run that does not hold it.
+SAVE_DIR_FILES = "MULTIPATH_NMT_SAVE_DIR_FILES"
+
 _held = set()  # the locks this process holds
 _descriptors = set()  # their descriptors, and that of a lock being waited for
 

@@ -8,7 +8,8 @@ from typing import List
 
 from multipath_nmt.recipe import (LAUNCHER_MODULE, RecipeError, finish_translation,
                                   generate_command, run_launcher, train_command)
-from multipath_nmt.recipe.commands import record_batch
+from multipath_nmt.recipe.launcher import nodes_of
+from multipath_nmt.recipe.save_dir import fairseq_train_environment
 from multipath_nmt.recipe.translation import check_output_prefix, run_decoder
 
 
@@ -20,8 +21,9 @@ def _train_sh(args: List[str], dry_run: bool) -> None:
     for line in command.notes + [shlex.join(command.argv)]:
         print(f"train.sh: {line}", flush=True)
     if not dry_run:
-        os.makedirs(save_dir, exist_ok=True)
-        record_batch(save_dir, command.argv)
+        # the save dir checked, nothing written into it: fairseq-train's rank 0 writes the batch
+        # record once it holds the save dir
+        os.environ.update(fairseq_train_environment(save_dir, command.argv, nodes_of(command.argv)))
         if command.argv[1:3] == ["-m", LAUNCHER_MODULE]:
             sys.exit(run_launcher(command.argv))
         os.execv(command.argv[0], command.argv)

@@ -123,10 +123,12 @@ compile_layers    ``options.add_optimization_args``                           ``
                   ``Trainer.__init__``                                        compiles the encoder and decoder layers' training    torch >= 2.1  tests/test_compile.py::test_every_family_compiles_without_graph_breaks_or_recompiles
                                                                               forward in place, after the model is built                         tests/test_compile.py::test_only_the_training_forward_is_compiled
 save_dirs         ``fairseq_cli.train.main``                                  a second run on a live ``--save-dir`` resumed from   fairseq 0.12  tests/test_checkpoints.py::test_a_second_run_on_a_live_save_dir_is_refused
-                                                                              its ``checkpoint_last.pt`` and both overwrote it:
-                                                                              rank 0 now holds a lock on the save dir
-                  ``sys.excepthook``                                          an uncaught ``SaveDirInUseError`` is one line, no    any           tests/test_checkpoints.py::test_a_second_run_on_a_live_save_dir_is_refused
-                                                                              traceback
+                                                                              its ``checkpoint_last.pt`` and both overwrote it:                  tests/test_defaults_locks.py::test_fairseq_train_on_a_save_dir_it_cannot_write_says_one_line
+                                                                              rank 0 now holds a lock on the save dir; one it                    tests/test_defaults_locks.py::test_a_refused_train_sh_leaves_the_first_run_able_to_resume
+                                                                              cannot write was a traceback; rank 0 writes
+                                                                              train.sh's batch record once it holds the lock
+                  ``sys.excepthook``                                          an uncaught ``SaveDirInUseError`` or                 any           tests/test_checkpoints.py::test_a_second_run_on_a_live_save_dir_is_refused
+                                                                              ``SaveDirError`` is one line, no traceback
 ================  ==========================================================  ===================================================  ============  =================================================================================================
 
 Order: the modules are installed in the order of :data:`MODULES`. ``Trainer.__init__`` is wrapped

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from multipath_nmt.atomic_files import write_text_atomically
 from multipath_nmt.recipe.archs import RecipeError, criterion_for_arch, recipe_for_arch
 from multipath_nmt.recipe.batch import DEFAULT_MAX_TOKENS, batch_plan
 from multipath_nmt.recipe.embedding_sharing import dictionary_files, embedding_sharing
@@ -175,10 +174,10 @@ def _train_arguments(args: Sequence[str]) -> Tuple[str, dict, List[str]]:
     return arch, options, passed_on
 
 
-# The micro-batch a run trained with, in its save dir (written by train.sh before it starts
-# fairseq-train): a resume mid-epoch on another number of GPUs continues the epoch only with the
-# same batches (multipath_nmt/fairseq_patches/batching.py), so it keeps that max-tokens rather
-# than the one the new GPU count would be given.
+# The micro-batch a run trained with, in its save dir (written by fairseq-train's rank 0 for
+# train.sh once it holds the save dir): a resume mid-epoch on another number of GPUs continues
+# the epoch only with the same batches (multipath_nmt/fairseq_patches/batching.py), so it keeps
+# that max-tokens rather than the one the new GPU count would be given.
 BATCH_RECORD = "train-sh-batch.json"
 
 
@@ -193,10 +192,11 @@ def recorded_max_tokens(save_dir) -> Optional[int]:
         return None
 
 
-def record_batch(save_dir, argv: Sequence[str]) -> None:
-    """Write the max-tokens of fairseq-train's ``argv`` to ``save_dir``'s :data:`BATCH_RECORD`."""
+def batch_record(argv: Sequence[str]) -> Tuple[str, str]:
+    """The name (:data:`BATCH_RECORD`) and text of the record of fairseq-train's ``argv``'s
+    max-tokens, which its rank 0 writes into the save dir (:mod:`.save_dir`)."""
     max_tokens = int(argv[list(argv).index("--max-tokens") + 1])  # train.sh gives it once
-    write_text_atomically(Path(save_dir) / BATCH_RECORD, json.dumps({"max_tokens": max_tokens}))
+    return BATCH_RECORD, json.dumps({"max_tokens": max_tokens})
 
 
 def _micro_batch_cap(arch, dictionaries, shared, passed_on, options, gpus, on_cpu, save_dir):

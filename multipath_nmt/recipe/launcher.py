@@ -54,6 +54,15 @@ def launcher_arguments(gpus: int, nodes: int = 1, rdzv_endpoint: Optional[str] =
     return ["-m", LAUNCHER_MODULE, *rendezvous, "--nproc-per-node", str(gpus)]
 
 
+def nodes_of(argv: Sequence[str]) -> int:
+    """The number of nodes of a command line from :func:`launcher_arguments` (1 without
+    torchrun or without ``--nnodes``)."""
+    words = list(argv)
+    if words[1:3] != ["-m", LAUNCHER_MODULE] or "--nnodes" not in words:
+        return 1
+    return int(words[words.index("--nnodes") + 1])
+
+
 def _children() -> List[int]:
     """This process's child processes (torchrun's workers when it runs in this process)."""
     children = []
