@@ -139,7 +139,7 @@ def test_remote_code_is_the_packages_source(tmp_path):
     assert (tmp_path / "multipath.py").read_text() == Path(multipath.__file__).read_text()
     assert (tmp_path / "activations.py").read_text() == Path(modules.__file__).read_text()
     modeling = (tmp_path / "modeling_multipath.py").read_text()
-    assert "from .multipath import MultiPathEncoderLayer\n" in modeling
+    assert "from .multipath import MultiPathEncoderLayer, PathMixer, others_matrix\n" in modeling
     assert "from .activations import get_activation_fn\n" in modeling
     assert not re.search(r"^\s*(from|import) (multipath_nmt|fairseq)\b", modeling, re.M)
 
@@ -536,6 +536,24 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(targ
     out, reason = unwritable_targets(tmp_path)[target]
     assert _refusal(tmp_path / "no.pt", out, "--data-bin", tmp_path) == \
         f"multipath-export-hf: error: {reason}"
+
+
+def test_an_output_folder_on_a_read_only_file_system_is_refused_before_any_work(tmp_path,
+                                                                                monkeypatch):
+    """Simulated (the tests run as root, for whom chmod does not forbid writing): os.mkdir fails
+    under ``ro/`` as on a read-only mount. This covers the probe and its line, not a real mount."""
+    (tmp_path / "ro").mkdir()
+    mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path / "ro") + os.sep):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    out = tmp_path / "ro" / "hf"
+    assert _refusal(tmp_path / "no.pt", out, "--data-bin", tmp_path) == \
+        f"multipath-export-hf: error: cannot write {out}: Read-only file system (errno 30)"
 
 
 def test_a_full_disk_while_writing_the_weights_leaves_no_folder(baseline_checkpoint, toy_data_bin,
