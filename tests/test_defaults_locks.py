@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TRAIN_FLAGS, USER_DIR, run_command, start_command
-from helpers.preloaded_python import process_tree
-from helpers.training import MODELS, SMALL_BATCHES, UPDATE_LOGGED, stop
+from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_command, run_fairseq, script_python,
+                      start_command)
+from helpers.preloaded_python import kill_tree, process_tree
+from helpers.signals import run_and_signal
+from helpers.training import MODELS, SMALL_BATCHES, UPDATE_LOGGED, load_model_state, stop
 
 from multipath_nmt.fairseq_patches.save_dirs import LOCK
 from multipath_nmt.folder_locks import SAVE_DIR_FILES, FolderLock
@@ -198,6 +200,9 @@ def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_b
 
 TRAIN_SH = Path(__file__).resolve().parents[1] / "scripts" / "train.sh"
 BASELINE = "transformer_prenorm_wmt_en_de"
+# fairseq-train flags after train.sh's recipe (they override it): the tiny model, small batches
+TINY_ARGS = [*TINY_MODEL, *SMALL_BATCHES, "--seed", "1", "--no-progress-bar",
+             "--log-format", "simple", "--log-interval", "1"]
 
 
 def _digests(folder):
@@ -282,10 +287,6 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
     holds it, is refused in one line and changes no file; the first run, killed, resumes with
     its own command. The refused run used to overwrite train-sh-batch.json, and the resume
     stopped with "cannot continue epoch 1 where the checkpoint stopped"."""
-    from conftest import script_python
-    from helpers.preloaded_python import kill_tree
-    from helpers.signals import run_and_signal
-
     save = tmp_path / "ckpt"
     python = script_python()  # asked for before the first command holds the server
 
@@ -321,17 +322,11 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
     assert second.returncode == 1 and "Traceback" not in second.stdout, second.stdout[-4000:]
     assert second.stdout.strip().splitlines()[-1].startswith(
         f"train.sh: error: SAVE_DIR {save} is in use by pid {holder} on "), second.stdout[-4000:]
-    from helpers.training import load_model_state
-
     _, at = load_model_state(save / "checkpoint_last.pt")
     code, output = run_and_signal(first_command, at + 1, signal.SIGTERM, timeout=300)
     assert code == 143 and "cannot continue" not in output, output[-4000:]
     assert f"(epoch 1 @ {at} updates)" in output
 
-
-# fairseq-train flags after train.sh's recipe (they override it): the tiny model, small batches
-TINY_ARGS = [*MODELS["baseline"][2:], *SMALL_BATCHES, "--seed", "1", "--no-progress-bar",
-             "--log-format", "simple", "--log-interval", "1"]
 
 
 # --- fault: a save dir that cannot be written was a traceback ---------------------------------
@@ -354,8 +349,8 @@ REAL_CASES = {"dangling-symlink": _dangling_symlink, "under-a-file": _under_a_fi
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(REAL_CASES))
 def test_fairseq_train_on_a_save_dir_it_cannot_write_says_one_line(case, toy_data_bin, tmp_path):
-    from conftest import run_fairseq
-
+    """A dangling symbolic link, a path under a file: one line before any work (a traceback of
+    the lock's makedirs before)."""
     save, problem = REAL_CASES[case](tmp_path)
     proc = run_fairseq("train", toy_data_bin, *MODELS["baseline"], *DEFAULT_FLAGS,
                        "--save-dir", save, check=False)
@@ -368,6 +363,8 @@ def test_fairseq_train_on_a_save_dir_it_cannot_write_says_one_line(case, toy_dat
 @pytest.mark.parametrize("case", list(REAL_CASES))
 def test_train_sh_on_a_save_dir_it_cannot_write_says_one_line(case, toy_data_bin, tmp_path,
                                                                monkeypatch):
+    """The same from train.sh, before it starts fairseq-train (a traceback of its makedirs
+    before)."""
     save, problem = REAL_CASES[case](tmp_path)
     stop = _train_sh_in_process(monkeypatch, toy_data_bin, save, "--arch", BASELINE)
     assert stop is not None and stop.code == f"train.sh: error: {problem}; choose another SAVE_DIR"
