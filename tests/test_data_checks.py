@@ -282,7 +282,7 @@ def with_a_long_sentence(toy_data_bin, folder, split, at=2):
     return data
 
 
-def _too_long(data, split):
+def too_long_line(data, split):
     return (f"{data}/{split}.en-de.en.idx: sentence 2 (line 3 of the text it was binarized from) "
             f"has 1,597 tokens with its </s>, more than the model's 1,024 source positions "
             "(--max-source-positions): shorten or remove it and binarize again, or pass "
@@ -303,7 +303,7 @@ def test_a_valid_sentence_longer_than_the_models_positions_is_one_line(toy_data_
     valid = task.dataset("valid")
     with pytest.raises(DataBinError) as caught:
         task.get_batch_iterator(valid, max_tokens=4096, max_positions=task.max_positions())
-    assert str(caught.value) == _too_long(data, "valid")
+    assert str(caught.value) == too_long_line(data, "valid")
     batches = task.get_batch_iterator(valid, max_tokens=4096, max_positions=task.max_positions(),
                                       ignore_invalid_inputs=True)
     assert sum(len(batch) for batch in batches.frozen_batches) == 39  # all but the long one
@@ -321,5 +321,6 @@ def test_fairseq_train_with_a_valid_sentence_longer_than_the_models_positions_sa
     proc = run_command(command, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in output, output[-6000:]
-    assert proc.stderr.strip().splitlines()[-1] == f"train.py: error: {_too_long(data, 'valid')}"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"train.py: error: {too_long_line(data, 'valid')}"
     assert "num_updates" not in proc.stdout  # before the first update

@@ -121,12 +121,13 @@ def test_a_test_sentence_longer_than_the_models_positions_is_one_line(toy_baseli
     """translate.sh refuses a test set with a sentence longer than the model's positions, in
     one line from fairseq-generate before it translates anything (it was a traceback and no
     .hyp); it does not skip the sentence, which would score a subset of the test set."""
-    from test_data_checks import _too_long, with_a_long_sentence
+    from test_data_checks import too_long_line, with_a_long_sentence
 
     data = with_a_long_sentence(toy_data_bin, tmp_path, "test")
     proc = run_command(["bash", TRANSLATE_SH, data, toy_baseline_run / "checkpoint_last.pt",
                         tmp_path / "mp"], env=script_env(MULTIPATH_NMT_NUM_GPUS="0"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-6000:]
-    assert proc.stderr.strip().splitlines()[-1] == f"generate.py: error: {_too_long(data, 'test')}"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"generate.py: error: {too_long_line(data, 'test')}"
     assert not (tmp_path / "mp.hyp").exists()
     assert b"\nH-" not in (tmp_path / "mp.generate.tmp").read_bytes()  # nothing translated

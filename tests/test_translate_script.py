@@ -132,8 +132,8 @@ def test_an_out_prefix_in_a_folder_that_refuses_writes_is_one_line(tmp_path, mon
     monkeypatch.setattr(translation, "open", refused, raising=False)
     with pytest.raises(translation.RecipeError) as refusal:
         translation.run_decoder([sys.executable, "-c", "pass"], tmp_path / "mp")
-    assert str(refusal.value) == (f"OUT_PREFIX {tmp_path}/mp: cannot write in its folder {tmp_path} "
-                                  "(Permission denied); give another OUT_PREFIX")
+    assert str(refusal.value) == (f"OUT_PREFIX {tmp_path}/mp: cannot write in its folder "
+                                  f"{tmp_path} (Permission denied); give another OUT_PREFIX")
 
 
 def test_translate_sh_with_a_missing_out_folder_says_so_in_one_line(tmp_path):
