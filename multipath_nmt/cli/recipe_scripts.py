@@ -8,7 +8,6 @@ from typing import List
 
 from multipath_nmt.recipe import (LAUNCHER_MODULE, RecipeError, finish_translation,
                                   generate_command, run_launcher, train_command)
-from multipath_nmt.recipe.launcher import nodes_of
 from multipath_nmt.recipe.save_dir import fairseq_train_environment
 from multipath_nmt.recipe.translation import check_output_prefix, run_decoder
 
@@ -23,7 +22,7 @@ def _train_sh(args: List[str], dry_run: bool) -> None:
     if not dry_run:
         # the save dir checked, nothing written into it: fairseq-train's rank 0 writes the batch
         # record once it holds the save dir
-        os.environ.update(fairseq_train_environment(save_dir, command.argv, nodes_of(command.argv)))
+        os.environ.update(fairseq_train_environment(save_dir, command.argv))
         if command.argv[1:3] == ["-m", LAUNCHER_MODULE]:
             sys.exit(run_launcher(command.argv))
         os.execv(command.argv[0], command.argv)

@@ -1,8 +1,8 @@
 """How train.sh starts more than one training process: torchrun, run in train.sh's own process so
 that the signals a scheduler sends reach every worker and the exit status says how they stopped,
 and so that the workers die with it: torchrun starts each worker in a session of its own, so a
-``kill -9`` of train.sh (or of its process group) used to leave them training with no parent,
-rank 0 holding the save dir. Each worker now asks the kernel, before it ``exec``s, for SIGKILL
+``kill -9`` of train.sh (or of its process group) would leave them training with no parent,
+rank 0 holding the save dir. Each worker asks the kernel, before it ``exec``s, for SIGKILL
 when its parent ends (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``), as multipath-prepare's
 children die with it (:mod:`multipath_nmt.pipeline.tethered`)."""
 import contextlib
