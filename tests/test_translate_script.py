@@ -83,16 +83,17 @@ def _bad_folders(tmp_path):
     (tmp_path / "mp.hyp").mkdir()
     return [
         (tmp_path / "missing" / "mp", f"its folder {tmp_path}/missing does not exist: create it "
-                                      f"(mkdir -p {tmp_path}/missing) or give another"),
+                                      f"(mkdir -p {tmp_path}/missing) or give another OUT_PREFIX"),
         (tmp_path / "a-file" / "mp", f"its folder {tmp_path}/a-file is a file, not a folder; "
-                                     "give another"),
+                                     "give another OUT_PREFIX"),
         (tmp_path / "a-file" / "sub" / "mp", f"its folder {tmp_path}/a-file/sub cannot exist: "
                                              f"{tmp_path}/a-file is a file, not a folder; give "
-                                             "another"),
+                                             "another OUT_PREFIX"),
         (tmp_path / "dangling" / "mp", f"its folder {tmp_path}/dangling is a symbolic link to "
-                                       f"{tmp_path}/gone, which does not exist; give another"),
+                                       f"{tmp_path}/gone, which does not exist; give another "
+                                       "OUT_PREFIX"),
         (tmp_path / "mp", f"{tmp_path}/mp.hyp is a folder, where translate.sh writes a file; "
-                          "give another"),
+                          "give another OUT_PREFIX"),
     ]
 
 
@@ -101,7 +102,7 @@ def test_an_out_prefix_whose_folder_cannot_hold_the_output_is_one_line(tmp_path,
                                                                        capsys, dry_run):
     for out, problem in _bad_folders(tmp_path):
         message = _translate_sh_main(tmp_path, out, monkeypatch, *dry_run)
-        assert message == f"translate.sh: error: OUT_PREFIX {out}: {problem} OUT_PREFIX"
+        assert message == f"translate.sh: error: OUT_PREFIX {out}: {problem}"
         assert capsys.readouterr().out == ""  # before the plan: nothing ran
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "checkpoint.pt", "dangling",
                                                           "mp.hyp"]

@@ -14,19 +14,20 @@ from multipath_nmt.recipe.archs import RecipeError
 # translate.sh then exits 128 + the signal's number (143 for a scheduler's SIGTERM).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 OUTPUT_SUFFIXES = (".generate.tmp", ".generate", ".hyp", ".ref")
+ANOTHER = "give another OUT_PREFIX"
 
 
 def _missing_folder(folder: str) -> str:
     """Why the folder ``folder``, which does not exist, cannot be made to hold the output."""
     if os.path.islink(folder):  # a symbolic link whose target is gone
         return (f"its folder {folder} is a symbolic link to {os.readlink(folder)}, which does not "
-                "exist; give another")
+                f"exist; {ANOTHER}")
     above = os.path.dirname(os.path.abspath(folder))
     while not os.path.exists(above) and os.path.dirname(above) != above:
         above = os.path.dirname(above)
     if not os.path.isdir(above):
-        return f"its folder {folder} cannot exist: {above} is a file, not a folder; give another"
-    return f"its folder {folder} does not exist: create it (mkdir -p {folder}) or give another"
+        return f"its folder {folder} cannot exist: {above} is a file, not a folder; {ANOTHER}"
+    return f"its folder {folder} does not exist: create it (mkdir -p {folder}) or {ANOTHER}"
 
 
 def _folder_problem(out: str, error: Optional[OSError]) -> Optional[str]:
@@ -34,14 +35,14 @@ def _folder_problem(out: str, error: Optional[OSError]) -> Optional[str]:
     if not os.path.exists(folder):
         return _missing_folder(folder)
     if not os.path.isdir(folder):
-        return f"its folder {folder} is a file, not a folder; give another"
+        return f"its folder {folder} is a file, not a folder; {ANOTHER}"
     for suffix in OUTPUT_SUFFIXES:
         if os.path.isdir(out + suffix):
-            return f"{out + suffix} is a folder, where translate.sh writes a file; give another"
+            return f"{out + suffix} is a folder, where translate.sh writes a file; {ANOTHER}"
     if error is not None:
-        return f"cannot write in its folder {folder} ({error.strerror}); give another"
+        return f"cannot write in its folder {folder} ({error.strerror}); {ANOTHER}"
     if not os.access(folder, os.W_OK | os.X_OK):
-        return f"cannot write in its folder {folder} (permission denied); give another"
+        return f"cannot write in its folder {folder} (permission denied); {ANOTHER}"
     return None
 
 
@@ -52,7 +53,7 @@ def output_problem(out_prefix, error: Optional[OSError] = None) -> Optional[str]
     checks cannot see, e.g. a read-only file system or an access rule that root is not exempt
     from)."""
     problem = _folder_problem(str(out_prefix), error)
-    return f"OUT_PREFIX {out_prefix}: {problem} OUT_PREFIX" if problem else None
+    return f"OUT_PREFIX {out_prefix}: {problem}" if problem else None
 
 
 def check_output_prefix(out_prefix) -> None:
@@ -99,6 +100,7 @@ def run_decoder(argv: Sequence[str], out_prefix) -> int:
               f"{partial}); exiting with status {128 + stops[0]}", file=sys.stderr, flush=True)
         return 128 + stops[0]
     return code
+
 
 def finish_translation(out_prefix) -> int:
     """``OUT.generate.tmp`` (fairseq-generate's output) -> ``OUT.generate`` when its last line
