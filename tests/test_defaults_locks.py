@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,6 +174,8 @@ def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_b
     save = tmp_path / "ckpt"
     command = default_train_command(toy_data_bin, save, "--max-update", 100000)
     first = start_command(command)
+    watchdog = threading.Timer(300, kill_tree, (first.pid,))  # should it never train
+    watchdog.start()
     try:
         lines = []
         for line in first.stdout:
@@ -181,6 +184,7 @@ def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_b
                 break
         else:
             pytest.fail("".join(lines)[-4000:])
+        watchdog.cancel()
         loaders = process_tree(first.pid)[1:]
         assert loaders, "no data-loader worker"  # fairseq's default --num-workers 1
         assert [pid for pid in loaders if _open_on(pid, save / LOCK)] == []
@@ -189,6 +193,7 @@ def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_b
         first.wait()
         _lock_is_free(save / LOCK)
     finally:
+        watchdog.cancel()
         stop(first)
     again = run_command(default_train_command(toy_data_bin, save, "--max-update", 1),
                         merge_stderr=True, timeout=300)
@@ -296,6 +301,8 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
 
     first_command = train_sh("--max-update", 100000, "--save-interval-updates", 2)
     first = start_command(first_command)
+    watchdog = threading.Timer(300, kill_tree, (first.pid,))  # should it never save
+    watchdog.start()
     try:
         lines, saved = [], False
         for line in first.stdout:
@@ -305,6 +312,7 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
                 break
         else:
             pytest.fail("".join(lines)[-4000:])
+        watchdog.cancel()
         holder = _lock_holder_pid(save)
         os.kill(holder, signal.SIGSTOP)  # writes nothing while the second tries
         try:
@@ -317,6 +325,7 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
         kill_tree(first.pid)
         first.wait()
     finally:
+        watchdog.cancel()
         stop(first)
     assert after == before
     assert second.returncode == 1 and "Traceback" not in second.stdout, second.stdout[-4000:]

@@ -240,6 +240,8 @@ def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_
                "MULTIPATH_NMT_DDP_ON_CPU=1", "bash", str(TRAIN_SH), str(toy_data_bin),
                str(tmp_path / "ckpt"), *FAMILIES["baseline"], *flags]
     proc = start_command(command)  # env execs bash, which execs the launcher: proc.pid is it
+    watchdog = threading.Timer(TIMEOUT, kill_tree, (proc.pid,))  # should it never train
+    watchdog.start()
     workers = []
     try:
         lines = []
@@ -249,6 +251,7 @@ def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_
                 break
         else:
             _fail(command, "logged no update", "".join(lines))
+        watchdog.cancel()
         workers = [worker_of_rank(proc.pid, rank) for rank in range(2)]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -257,6 +260,7 @@ def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_
             time.sleep(0.05)
         assert not any(map(_alive, workers)), "the workers train on without train.sh"
     finally:
+        watchdog.cancel()
         for pid in filter(_alive, workers):
             os.kill(pid, signal.SIGKILL)
         stop(proc)
