@@ -91,14 +91,14 @@ def _die_with_parent(parent: int) -> None:
 
 @contextlib.contextmanager
 def workers_die_with_this_process():
-    """While in the block, every worker torchrun starts in this process (its
-    ``SubprocessHandler`` ``Popen``s them, from this thread) dies when this process does,
-    however it dies. torch's handler is wrapped, not copied: its other arguments stay its own."""
+    """While in the block, every worker torchrun starts in this process dies when this process
+    does, however it dies. Its ``SubprocessHandler`` ``Popen``s them from this thread (the
+    kernel's "parent" is the thread that forked, and torchrun runs in the main thread); the
+    ``Popen`` it calls is wrapped, not copied: its other arguments stay torch's."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     original = subprocess_handler.Popen
 
-    @functools.wraps(original)
     def popen(*args, **kwargs):
         if kwargs.get("preexec_fn") is None:
             kwargs["preexec_fn"] = functools.partial(_die_with_parent, os.getpid())
