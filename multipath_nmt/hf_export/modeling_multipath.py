@@ -8,10 +8,18 @@ weights (``modeling_multipath.py``, loaded with ``trust_remote_code=True``): the
 folder and points the two imports below at the copies (:func:`multipath_nmt.hf_export.remote_code`),
 so the exported model computes the package's equations from the package's own source.
 """
+import torch
+import transformers
+from torch import nn
 from transformers import M2M100Config, M2M100ForConditionalGeneration
+from transformers.models.m2m_100.modeling_m2m_100 import M2M100Encoder
 
 from multipath_nmt.modules import get_activation_fn
-from multipath_nmt.modules.multipath import MultiPathEncoderLayer
+from multipath_nmt.modules.multipath import MultiPathEncoderLayer, PathMixer, others_matrix
+
+# M2M100's encoder reads a layer's output as a tuple (hidden states, attention weights) up to
+# transformers 4.x and as the hidden states themselves from 5.0 on.
+_LAYERS_RETURN_TENSORS = int(transformers.__version__.split(".")[0]) >= 5
 
 
 class MultiPathM2M100Config(M2M100Config):
@@ -34,8 +42,9 @@ class MultiPathM2M100Config(M2M100Config):
 
 class M2M100MultiPathEncoderLayer(MultiPathEncoderLayer):
     """The multi-path encoder layer behind M2M100's encoder-layer interface: batch-first hidden
-    states, the 4-D additive attention mask M2M100's encoder builds from the padding (eager and
-    sdpa attention; it broadcasts over the paths' heads), a tuple back. The parameter names are
+    states, the 4-D attention mask M2M100's encoder builds from the padding (additive in
+    transformers 4, boolean with True = attend in 5; it broadcasts over the paths' heads), and the
+    output in the form the installed transformers reads. The parameter names are
     the fairseq layer's, so the checkpoint's weights load as they are."""
 
     def __init__(self, config):
@@ -48,12 +57,34 @@ class M2M100MultiPathEncoderLayer(MultiPathEncoderLayer):
                          activation_fn=get_activation_fn(config.fairseq_activation_fn))
 
     def forward(self, hidden_states, attention_mask=None, layer_head_mask=None,
-                output_attentions=False):
+                output_attentions=False, **kwargs):
+        # transformers 5 passes its attention kwargs (use_cache, ...) to every layer; none
+        # of them changes an encoder layer without head masks or returned attention weights
         if layer_head_mask is not None or output_attentions:
             raise ValueError("a multi-path encoder layer takes no head mask and returns no "
                              "attention weights")
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            attention_mask = ~attention_mask  # transformers 5: True attends; the layer: True masks
         x = super().forward(hidden_states.transpose(0, 1), attn_mask=attention_mask)
-        return x.transpose(0, 1), None
+        x = x.transpose(0, 1)
+        return x if _LAYERS_RETURN_TENSORS else (x, None)
+
+
+class MultiPathM2M100Encoder(M2M100Encoder):
+    """M2M100's encoder with multi-path layers."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layers = nn.ModuleList(M2M100MultiPathEncoderLayer(config)
+                                    for _ in range(config.encoder_layers))
+
+    def _init_weights(self, module):
+        # transformers 5 builds a model without memory, loads the weights file and fills the
+        # rest through this hook: the cheap features' pattern is such a buffer (never saved)
+        super()._init_weights(module)
+        if isinstance(module, PathMixer) and module.others_matrix is not None:
+            with torch.no_grad():
+                module.others_matrix.copy_(others_matrix(module.num_paths))
 
 
 class MultiPathM2M100ForConditionalGeneration(M2M100ForConditionalGeneration):
@@ -67,6 +98,6 @@ class MultiPathM2M100ForConditionalGeneration(M2M100ForConditionalGeneration):
 
     def __init__(self, config):
         super().__init__(config)
-        encoder = self.model.encoder
-        encoder.layers = type(encoder.layers)(
-            M2M100MultiPathEncoderLayer(config) for _ in range(config.encoder_layers))
+        encoder = MultiPathM2M100Encoder(config)
+        encoder.embed_tokens = self.model.encoder.embed_tokens  # the shared embeddings
+        self.model.encoder = encoder
