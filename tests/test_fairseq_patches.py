@@ -11,7 +11,8 @@ import pytest
 
 from helpers.patch_switch import patched_attributes
 from multipath_nmt import fairseq_patches
-from multipath_nmt.fairseq_patches import ewa_trainer, mixed_precision, numerics, preemption
+from multipath_nmt.fairseq_patches import (ewa_trainer, mixed_precision, numerics, out_of_memory,
+                                           preemption)
 from multipath_nmt.fairseq_patches.wrapping import patch_name, patches_of, wrap
 
 TESTS = Path(__file__).parent
@@ -35,9 +36,11 @@ def test_train_step_is_wrapped_by_numerics_then_mixed_precision_then_ewa():
     from fairseq.trainer import Trainer
 
     # preemption (53998de) marks the step outermost, for its all-reduce of the stop flag; the
-    # weight casts kept over the update also serve numerics' re-run of a non-finite update
+    # weight casts kept over the update also serve numerics' re-run of a non-finite update;
+    # out_of_memory, next to numerics, turns the out-of-memory error it lets pass into one line
     assert patches_of(Trainer.train_step) == (
         patch_name(numerics._report_update),
+        patch_name(out_of_memory._stopping_on_out_of_memory),
         patch_name(mixed_precision._weights_cast_once_per_update),
         patch_name(ewa_trainer._flagging_train_step), patch_name(preemption._in_train_step))
 
@@ -160,10 +163,29 @@ def test_the_names_are_the_modules_and_the_docs_list_each():
     ("-attention,-preemption", ", ".join(n for n in fairseq_patches.NAMES
                                          if n not in ("attention", "preemption"))),
 ])
-def test_install_logs_the_patches_in_force(monkeypatch, caplog, value, in_force):
-    """One INFO line (a fairseq-train log has it at its start: tests/test_compat.py)."""
+@pytest.mark.parametrize("fairseq_command, level", [(True, logging.INFO), (False, logging.DEBUG)])
+def test_install_logs_the_patches_in_force(monkeypatch, caplog, value, in_force,
+                                           fairseq_command, level):
+    """One line: INFO in a fairseq command (a fairseq-train log has it at its start:
+    tests/test_compat.py), DEBUG elsewhere, so that our tools print nothing of it."""
     monkeypatch.setenv("MULTIPATH_NMT_PATCHES", value)
-    with caplog.at_level(logging.INFO, logger="multipath_nmt.fairseq_patches"):
+    monkeypatch.setattr(fairseq_patches, "running_a_fairseq_command", lambda: fairseq_command)
+    with caplog.at_level(logging.DEBUG, logger="multipath_nmt.fairseq_patches"):
         fairseq_patches.install()  # every patch is already in place: nothing is wrapped again
-    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
-        f"patches in force: {in_force} (MULTIPATH_NMT_PATCHES switches them)"]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.levelno <= logging.INFO] == [
+        (level, f"patches in force: {in_force} (MULTIPATH_NMT_PATCHES switches them)")]
+
+
+@pytest.mark.parametrize("main_spec, argv0, expected", [
+    ("fairseq_cli.train", "/x/fairseq_cli/train.py", True),  # python -m fairseq_cli.train
+    (None, "/venv/bin/fairseq-train", True),
+    (None, "/venv/bin/fairseq-generate", True),
+    (None, "/venv/bin/multipath-score", False),
+    ("pytest", "/x/pytest/__main__.py", False),
+])
+def test_a_fairseq_command_is_told_from_our_tools(monkeypatch, main_spec, argv0, expected):
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name=main_spec) if main_spec else None
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert fairseq_patches.running_a_fairseq_command() is expected

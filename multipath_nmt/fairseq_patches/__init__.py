@@ -76,6 +76,13 @@ numerics          ``Trainer.train_step``                                      a 
                                                                               NanDetector re-run died with ``StopIteration``; a                  tests/test_numerics.py::test_fp16_nan_loss_stops_training_with_the_update_number
                                                                               CPU fp16 overflow crashed                                          tests/test_numerics.py::test_cpu_fp16_overflow_skips_the_update_instead_of_crashing
                   ``Trainer.__init__``                                        ``--fp16`` without CUDA died deep inside fairseq     fairseq 0.12  tests/test_numerics.py::test_fp16_without_cuda_is_refused_with_a_clear_message
+out_of_memory     ``Trainer.train_step``                                      an out-of-memory micro-batch dropped its update      fairseq 0.12  tests/test_out_of_memory.py::test_out_of_memory_in_a_micro_batch_stops_in_one_line
+                                                                              silently (every epoch; a hang on several ranks);                   tests/test_out_of_memory.py::test_out_of_memory_in_the_optimizer_step_stops_in_one_line
+                                                                              now one line naming it and ``--max-tokens``                        tests/test_out_of_memory.py::test_out_of_memory_on_one_of_two_ranks_stops_both
+                  ``Trainer._prepare_sample``,                                count the micro-batches and mark their end,          fairseq 0.12  tests/test_out_of_memory.py::test_out_of_memory_in_a_micro_batch_stops_in_one_line
+                  ``Trainer._sync_stats``                                     for that line
+                  ``sys.excepthook``                                          an uncaught ``OutOfMemoryInUpdateError`` is one      any           tests/test_out_of_memory.py::test_out_of_memory_in_a_micro_batch_stops_in_one_line
+                                                                              line, no traceback
 mixed_precision   ``AMPOptimizer.step``                                       ``--amp`` unscaled every gradient twice              fairseq 0.12  tests/test_mixed_precision.py::test_amp_update_is_fp32_adams
                   ``AMPOptimizer.__init__``                                   ``--amp --bf16``: no loss scaler, bf16 autocast;     fairseq 0.12  tests/test_mixed_precision.py::test_amp_bf16_has_no_loss_scaler_and_records_its_dtype
                                                                               the scaler ignored ``--amp-init-scale`` and took                   tests/test_mixed_precision.py::test_amp_loss_scaler_takes_the_amp_flags
@@ -136,9 +143,11 @@ by numerics, then mixed_precision, then compile_layers (outermost: it compiles t
 model the others' ``__init__`` has placed and cast), and ``options.parse_args_and_arch`` by
 help_flags, then mixed_precision, and ``Trainer.set_num_updates`` by mixed_precision, then
 ewa_trainer; the wrappers of each group look at different flags. ``sys.excepthook`` by
-checkpoints, then data_bins, then save_dirs (each prints its own error class on one line and
-passes anything else on). ``Trainer.train_step`` is
-wrapped three times: numerics first (inner), then ewa_trainer, then preemption (outer: it only
+checkpoints, then data_bins, then out_of_memory, then save_dirs (each prints its own error class
+on one line and passes anything else on). ``Trainer.train_step`` is
+wrapped five times: numerics first (inner), then out_of_memory (it passes fairseq's
+``raise_oom=True`` and turns the out-of-memory error that numerics lets pass into its one line),
+then mixed_precision, then ewa_trainer, then preemption (outer: it only
 marks that a ``train_step`` is running, for its ``_aggregate_logging_outputs`` wrapper). Any order
 gives the same training (the EWA and preemption flags only have to be set while fairseq's
 ``train_step`` runs, and are cleared in a ``finally`` whatever numerics raises or skips); the order
@@ -152,14 +161,16 @@ without them; ``tests/test_fairseq_compat_suite.py`` keeps the cases that once d
 """
 import logging
 import os
+import sys
 
 from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, compile_layers,
                                            data_bins, distributed, ewa_trainer, grad_norm,
-                                           help_flags, mixed_precision, numerics, preemption,
-                                           save_dirs, torch_compat)
+                                           help_flags, mixed_precision, numerics, out_of_memory,
+                                           preemption, save_dirs, torch_compat)
 
 MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distributed, numerics,
-           mixed_precision, grad_norm, attention, ewa_trainer, preemption, compile_layers, save_dirs)
+           out_of_memory, mixed_precision, grad_norm, attention, ewa_trainer, preemption,
+           compile_layers, save_dirs)
 
 
 NAMES = tuple(module.__name__.rsplit(".", 1)[1] for module in MODULES)
@@ -198,6 +209,14 @@ def enabled():
     return len(left_out()) < len(NAMES)
 
 
+def running_a_fairseq_command():
+    """Whether this process is one of fairseq's commands: ``fairseq-train`` and the other console
+    scripts, or ``python -m fairseq_cli.train`` (torchrun's workers, train.sh)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    program = spec.name if spec is not None else os.path.basename(sys.argv[0] if sys.argv else "")
+    return program.startswith(("fairseq_cli.", "fairseq-"))
+
+
 def install():
     """Put every patch in place (idempotent), but those ``MULTIPATH_NMT_PATCHES`` turns off."""
     skipped = left_out()
@@ -208,8 +227,10 @@ def install():
         logger.warning("%s=%s: fairseq runs without the plug-in's patches %s", SWITCH,
                        os.environ[SWITCH].strip(), ", ".join(skipped))
     in_force = [name for name in NAMES if name not in skipped]
-    # at the start of a fairseq-train log, which the run's numbers depend on (docs/patches.md)
-    logger.info("patches in force: %s (%s switches them)", ", ".join(in_force) or "none", SWITCH)
+    # at the start of a fairseq-train log, which the run's numbers depend on (docs/patches.md);
+    # our own tools print nothing of it (fairseq's speech modules turn INFO on at import)
+    logger.log(logging.INFO if running_a_fairseq_command() else logging.DEBUG,
+               "patches in force: %s (%s switches them)", ", ".join(in_force) or "none", SWITCH)
     for name, module in zip(NAMES, MODULES):
         if name in in_force:
             module.install()
