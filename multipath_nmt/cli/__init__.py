@@ -1,7 +1,31 @@
-"""The command-line tools (setup.py's console scripts). Each module has ``build_parser()`` and
-``main(argv=None)``: it parses arguments, calls the library and prints; the work itself is in the
-library modules, and nothing outside this package imports it."""
+"""The command-line tools (pyproject.toml's console scripts). Each module has ``build_parser()``
+and ``main(argv=None)``: it parses arguments, calls the library and prints; the work itself is in
+the library modules, and nothing outside this package imports it."""
 import argparse
+import sys
+from importlib import metadata
+
+
+def package_version():
+    """The installed multipath_nmt's version ("unknown" in a copy that was never installed)."""
+    try:
+        return metadata.version("multipath_nmt")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for our tools: ``--version``, and a bad command line refused in one line
+    (argparse prints its whole usage first; ``--help`` still does)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version",
+                          version=f"%(prog)s (multipath_nmt {package_version()})")
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message} (--help lists the options)\n")
+        sys.exit(2)
 
 
 def positive_int(value):

@@ -8,10 +8,11 @@ import argparse
 import sys
 
 from multipath_nmt.averaging import AveragingError, average_checkpoints, save_atomically, select_checkpoints
+from multipath_nmt.cli import ToolParser
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-average", description=__doc__.split("\n")[0],
+    parser = ToolParser(prog="multipath-average", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n", 1)[1])
     parser.add_argument("--inputs", required=True, nargs="+",

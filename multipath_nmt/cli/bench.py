@@ -1,15 +1,15 @@
 """multipath-bench: every architecture side by side on the same synthetic batches
 (:mod:`multipath_nmt.benchmark`)."""
-import argparse
 import logging
 import sys
 import warnings
 
 from multipath_nmt import benchmark, recipe
+from multipath_nmt.cli import ToolParser
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-bench", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="multipath-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(benchmark.SIZES), default="default",
                         help="model and batch size; 'default' takes about 8.5 minutes on 2 idle "
                              "CPU cores, 'tiny' is for tests")

@@ -1,15 +1,15 @@
 """multipath-convert-ewa IN OUT: fold an EWA model into a stock fairseq ``transformer`` checkpoint
 (:mod:`multipath_nmt.ewa.folding`)."""
-import argparse
 import os
 import sys
 
 from multipath_nmt.checkpoint_io import CheckpointError
+from multipath_nmt.cli import ToolParser
 from multipath_nmt.ewa.folding import NotAnEWACheckpoint, convert_ewa_checkpoint
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         prog="multipath-convert-ewa",
         description="Fold an EWA moe_transformer checkpoint into a stock fairseq transformer "
                     "checkpoint (each EWA MoE becomes the mean of its experts).")

@@ -14,6 +14,7 @@ import os
 import sys
 
 from multipath_nmt.atomic_files import os_error_reason
+from multipath_nmt.cli import ToolParser
 from multipath_nmt.serving import convert_to_ctranslate2, ctranslate2_model_problem, translate
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
@@ -21,7 +22,7 @@ QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-ctranslate2",
+    parser = ToolParser(prog="multipath-ctranslate2",
                                      description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n", 1)[1])

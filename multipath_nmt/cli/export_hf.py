@@ -13,11 +13,12 @@ import argparse
 import os
 import sys
 
+from multipath_nmt.cli import ToolParser
 from multipath_nmt.hf_export import export_to_transformers
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-export-hf",
+    parser = ToolParser(prog="multipath-export-hf",
                                      description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n", 1)[1])

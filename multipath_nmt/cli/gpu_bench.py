@@ -1,15 +1,15 @@
 """The GPU benchmark (scripts/gpu-bench.sh): training and beam-search speed of every architecture
 family on one GPU against stock fairseq 0.12 on the same card
 (:mod:`multipath_nmt.benchmark.gpu_bench`)."""
-import argparse
 import sys
 
 from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_bench
+from multipath_nmt.cli import ToolParser
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ToolParser(description=__doc__)
     parser.add_argument("--out", default="results/gpu-bench",
                         help="folder for gpu-bench.json and gpu-bench.md")
     parser.add_argument("--size", choices=sorted(gpu_bench.SIZES), default="gpu",

@@ -5,17 +5,17 @@ fp16 beam search, on one GPU; the recipe leg, train.sh's own fairseq-train comma
 (its update-freq and precision) run as fairseq-train for a few updates with a save, a validation
 and a resume, against fp32; and the recipe's fairseq-train command on 2 GPUs where there are 2
 (:mod:`multipath_nmt.benchmark.gpu_check`)."""
-import argparse
 import logging
 import sys
 import warnings
 
 from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_check
+from multipath_nmt.cli import ToolParser
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ToolParser(description=__doc__)
     parser.add_argument("--data", metavar="DATA_BIN",
                         help="a fairseq data-bin with a joined dictionary: batches from its train "
                              "split, beam search on its valid split (default: synthetic "

@@ -5,14 +5,14 @@ diversity |d| (Lin et al., 2022, Fig. 7), and for WideNet and pre-norm Transform
 the divergence of the encoder blocks' LayerNorms (WideNet Eq. 9 per block); see
 :mod:`multipath_nmt.analysis.inspect_report`.
 """
-import argparse
 import sys
 
 from multipath_nmt.analysis.inspect_report import inspect_checkpoint
+from multipath_nmt.cli import ToolParser
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-inspect", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="multipath-inspect", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a fairseq checkpoint (e.g. checkpoint_best.pt)")
     parser.add_argument("--plot", metavar="PNG", help="also draw path diversity per layer here")
     return parser

@@ -1,12 +1,11 @@
 """multipath-make-corpus: write the synthetic En->De-like quickstart corpus (see pipeline/synthetic.py)."""
-import argparse
 
-from multipath_nmt.cli import positive_int
+from multipath_nmt.cli import ToolParser, positive_int
 from multipath_nmt.pipeline.synthetic import write_corpus
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         prog="multipath-make-corpus",
         description="Write a synthetic English->German-like parallel corpus (reordering, agreement, "
                     "hyphenated compounds, numbers, punctuation, casing) as raw text "

@@ -1,14 +1,14 @@
 """multipath-params: parameters and forward FLOPs of every architecture of this plug-in
 (:mod:`multipath_nmt.params`)."""
-import argparse
 import sys
 from pathlib import Path
 
+from multipath_nmt.cli import ToolParser
 from multipath_nmt.params import architecture_table, data_bin_dictionaries, format_markdown
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-params",
+    parser = ToolParser(prog="multipath-params",
                                      description="parameters and forward FLOPs of every architecture of this plug-in")
     parser.add_argument("--dict-size", type=int, default=34880,
                         help="joined (shared) dictionary size, or the source one with "

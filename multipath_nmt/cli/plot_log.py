@@ -5,15 +5,15 @@
 Reads the ``train_inner``, ``train`` and ``valid`` lines of ``--log-format simple`` or ``json``
 logs (:mod:`multipath_nmt.training_log`). Losses are fairseq's, in base 2.
 """
-import argparse
 import sys
 from typing import List, Tuple
 
+from multipath_nmt.cli import ToolParser
 from multipath_nmt.training_log import LossCurves, PlotLogError, plot_curves, read_logs
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-plot-log", description=__doc__.split("\n")[0])
+    parser = ToolParser(prog="multipath-plot-log", description=__doc__.split("\n")[0])
     parser.add_argument("logs", nargs="+", metavar="LOG", help="fairseq-train logs, one per system")
     parser.add_argument("--labels", nargs="+", help="one legend label per log (default: file names)")
     parser.add_argument("--out", required=True, help="PNG file to write")

@@ -1,15 +1,14 @@
 """multipath-prepare: WMT directions or a user's parallel text -> fairseq data-bin (see pipeline/prepare.py)."""
-import argparse
 import os
 import sys
 
-from multipath_nmt.cli import positive_int
+from multipath_nmt.cli import ToolParser, positive_int
 from multipath_nmt.pipeline.prepare import PrepareError, prepare_corpus, prepare_wmt
 from multipath_nmt.pipeline.wmt import TASKS
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         prog="multipath-prepare",
         description="Normalize, Moses-tokenize (-a), clean, joint-BPE and binarize parallel text into a "
                     "fairseq data-bin directory. Every stage is restartable: rerunning skips finished stages.")

@@ -14,14 +14,14 @@ hypotheses Moses-detokenized for --lang against --raw-ref: the references as rel
 detokenized tokenized ones, and line 2 says it is not comparable to published sacreBLEU.
 The scores come from :mod:`multipath_nmt.scoring`.
 """
-import argparse
 import sys
 
 from multipath_nmt import scoring
+from multipath_nmt.cli import ToolParser
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="multipath-score", description=__doc__.split("\n")[0])
+    parser = ToolParser(prog="multipath-score", description=__doc__.split("\n")[0])
     parser.add_argument("--sys", help="hypothesis file, one tokenized sentence per line")
     parser.add_argument("--ref", help="tokenized reference file; like multi-bleu.perl, REF0, REF1, ... "
                                       "are read as multiple references when they exist")
