@@ -79,7 +79,8 @@ def _missing_target(path):
 
 def unwritable_folder(path):
     """Why a folder cannot be written at ``path``, in one line, or None. Refused: a symbolic link
-    to nothing, a file, a path under a file; then a temporary folder is made and removed in the
+    to nothing, a file, a path under a file, an existing folder without write permission; then a
+    temporary folder is made and removed in the
     nearest folder that exists (``path``'s parent, or the folder its missing parents would be
     created in), which fails as the real write would (a read-only file system, no permission, a
     full disk). Nothing else is created."""
@@ -88,6 +89,9 @@ def unwritable_folder(path):
         return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
     if os.path.exists(path) and not os.path.isdir(path):
         return f"{path} is a file, not a folder"
+    if os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK):
+        # its files are replaced or removed (root may write anywhere but on a read-only mount)
+        return f"cannot write {path}: it is a read-only folder"
     target = os.path.realpath(path)
     ancestor = os.path.dirname(target)
     while not os.path.lexists(ancestor):

@@ -61,3 +61,17 @@ def test_a_failed_rename_into_place_puts_the_old_folder_back(tmp_path, monkeypat
             (tmp_path / folder / "new.txt").write_text("new")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.txt"]
+
+
+def test_an_existing_read_only_folder_is_refused(tmp_path, monkeypatch):
+    """os.access as for a user without write permission (the tests run as root, for whom a
+    read-only folder is writable): what this covers is the check and its line."""
+    _old(tmp_path / "out")
+    access = os.access
+    monkeypatch.setattr(atomic_files.os, "access", lambda path, mode: (
+        False if str(path) == str(tmp_path / "out") and mode & os.W_OK else access(path, mode)))
+    assert atomic_files.unwritable_folder(tmp_path / "out") == \
+        f"cannot write {tmp_path / 'out'}: it is a read-only folder"
+    with pytest.raises(FolderNotWritten, match="it is a read-only folder$"):
+        with folder_written_atomically(tmp_path / "out", replace=True):
+            pytest.fail("the block ran")
