@@ -774,3 +774,60 @@ def test_a_resume_with_another_criterion_and_reset_optimizer_goes_on(default_fla
     proc = run_fairseq("train", toy_data_bin, *flags, "--max-update", "1", "--save-dir", save,
                        "--reset-optimizer")
     assert "Loaded checkpoint" in proc.stdout + proc.stderr
+
+
+def test_a_resume_that_changes_several_things_says_them_all_in_one_line(default_flags_run):
+    """explain_failed_resume, given fairseq's failed load: another --arch and another
+    --criterion are one line (one rerun fixes both); the same --optimizer wrapped in another
+    class (--amp's AMPOptimizer around adam) names the classes; a failure it cannot explain
+    (the shapes agree, nothing else differs) is left to fairseq's error."""
+    import types
+
+    from multipath_nmt.checkpoint_io.training_setup import explain_failed_resume
+
+    path = default_flags_run / "checkpoint_last.pt"
+    saved, _ = load_model_state(path)
+
+    class AMPOptimizer:
+        pass
+
+    class CrossEntropyCriterion:
+        pass
+
+    def trainer(model_state, criterion, optimizer_class, arch="transformer_prenorm_wmt_en_de",
+                criterion_name="cross_entropy"):
+        model = torch.nn.Module()
+        model.state_dict = lambda: model_state
+        cfg = types.SimpleNamespace(model=types.SimpleNamespace(arch=arch),
+                                    criterion={"_name": criterion_name},
+                                    optimizer={"_name": "adam"})
+        return types.SimpleNamespace(cfg=cfg, get_model=lambda: model,
+                                     get_criterion=lambda: criterion, optimizer=optimizer_class())
+
+    failed = Exception(f"Cannot load model parameters from checkpoint {path}; please ensure that "
+                       "the architectures match.")
+    smaller = {name: tensor[:1] for name, tensor in saved.items()}
+    found = explain_failed_resume(path, trainer(smaller, CrossEntropyCriterion(), AMPOptimizer,
+                                                arch="transformer_wmt_en_de"), False, failed)
+    assert str(found) == (
+        f"{path}: its model (--arch transformer_prenorm_wmt_en_de) has other parameters than "
+        "this command's (--arch transformer_wmt_en_de): 'encoder.embed_tokens.weight' is "
+        f"{list(saved['encoder.embed_tokens.weight'].shape)} in the checkpoint but "
+        f"[1, {saved['encoder.embed_tokens.weight'].shape[1]}] here (and "
+        f"{sum(t.shape[0] > 1 for t in saved.values()) - 1} more tensors differ); and its "
+        "optimizer state was saved with --criterion label_smoothed_cross_entropy and --optimizer "
+        "adam (FairseqAdam), not this command's --criterion cross_entropy and --optimizer adam "
+        "(AMPOptimizer); resume with the checkpoint's flags for these, or give another "
+        "--save-dir to train this model from the start")
+
+    criterion = type("LabelSmoothedCrossEntropyCriterion", (), {})()
+    amp = trainer(saved, criterion, AMPOptimizer, criterion_name="label_smoothed_cross_entropy")
+    assert str(explain_failed_resume(path, amp, False, AssertionError("Optimizer does not match"))) \
+        == (f"{path}: its optimizer state was saved with --optimizer adam (FairseqAdam), not this "
+            "command's --optimizer adam (AMPOptimizer): pass --reset-optimizer to go on from its "
+            "weights with a new optimizer state, learning-rate schedule and update count, or give "
+            "another --save-dir to train from the start")
+    assert explain_failed_resume(path, amp, True, AssertionError("Optimizer does not match")) is None
+    same = trainer(saved, criterion, type("FairseqAdam", (), {}),
+                   criterion_name="label_smoothed_cross_entropy")
+    assert explain_failed_resume(path, same, False, failed) is None
