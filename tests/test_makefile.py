@@ -1,5 +1,5 @@
-"""The Makefile's choice of interpreter for the venv (`make PYTHON=...`), tried with fake
-interpreters on a PATH of their own and ``make -n``: nothing is installed."""
+"""The Makefile's choice of interpreter for the venv (`make PYTHON=...`) and its install steps,
+tried with fake interpreters on a PATH of their own and ``make -n``: nothing is installed."""
 import os
 import shutil
 import subprocess
@@ -29,8 +29,11 @@ def make(tmp_path, versions, *args):
 
 
 @pytest.mark.parametrize("versions, chosen", [
-    ({"python3.12": "3.12", "python3.11": "3.11", "python3": "3.13"}, "python3.12"),
-    ({"python3.12": None, "python3.11": "3.11", "python3": "3.13"}, "python3.11"),
+    ({"python3.13": "3.13", "python3.12": "3.12", "python3.11": "3.11", "python3": "3.14"},
+     "python3.13"),
+    ({"python3.13": None, "python3.12": "3.12", "python3.11": "3.11"}, "python3.12"),
+    ({"python3.13": None, "python3.12": None, "python3.11": "3.11", "python3": "3.14"},
+     "python3.11"),
     ({"python3": "3.12"}, "python3"),
 ])
 def test_the_venv_is_made_with_the_newest_supported_python_on_the_path(tmp_path, versions, chosen):
@@ -45,16 +48,33 @@ def test_python_picks_the_interpreter(tmp_path):
 
 
 @pytest.mark.parametrize("given, says", [
-    (None, "python3 is Python 3.13"),
-    ("PYTHON=python3.13", "python3.13 is Python 3.13"),
+    (None, "python3 is Python 3.14"),
+    ("PYTHON=python3.14", "python3.14 is Python 3.14"),
     ("PYTHON=python3.10", "python3.10 is not an interpreter found on the PATH"),
 ])
 def test_an_unsupported_python_is_refused_before_any_download_in_one_line(tmp_path, given, says):
-    proc = make(tmp_path, {"python3": "3.13", "python3.13": "3.13"}, *filter(None, [given]), "quickstart")
+    proc = make(tmp_path, {"python3": "3.14", "python3.14": "3.14"}, *filter(None, [given]),
+                "quickstart")
     assert proc.returncode == 2 and proc.stdout == ""  # nothing run, not even the venv
     line, = proc.stderr.splitlines()
-    assert line.endswith(f"*** {says}, and fairseq (ve-fairseq 0.12.3) installs on Python 3.11 and 3.12 "
-                         "only: install one and pick it with `make PYTHON=python3.11 quickstart`.  Stop.")
+    assert line.endswith(f"*** {says}, and multipath_nmt supports Python 3.11, 3.12, 3.13 only: "
+                         "install one (e.g. `uv python install 3.13` or `pyenv install 3.13`) and "
+                         "pick it with `make PYTHON=python3.13 quickstart`.  Stop.")
+
+
+def test_fairseq_is_built_against_the_venvs_torch_without_build_isolation(tmp_path):
+    """torch first, then fairseq's build tools, then fairseq from its source distribution with
+    no isolated build environment (which would download another torch), then the package; the
+    installed torch pinned in every step."""
+    proc = make(tmp_path, {"python3.13": "3.13"}, "install")
+    venv_python = f"{tmp_path / 'venv'}/bin/python"
+    steps = [line.split(f"{venv_python} -m pip install -q ")[1]
+             for line in proc.stdout.splitlines() if f"{venv_python} -m pip install -q " in line]
+    assert [step.split()[0] for step in steps] == [
+        "torch==2.13.0", "setuptools", "--no-build-isolation", "-e"]
+    assert '"fairseq-fixed==0.12.3.1"' in steps[2] and '-e ".[test]"' in steps[3]
+    pinned = f"\"$({venv_python} -c 'import torch; print(\"torch==\" + torch.__version__.split(\"+\")[0])')\""
+    assert all(step.endswith(pinned) for step in steps[1:4])
 
 
 def test_python_given_to_make_is_not_the_scripts_interpreter(tmp_path):
