@@ -4,6 +4,7 @@
 # Any further arguments go to multipath-average (e.g. --checkpoint-upper-bound 30).
 # PYTHON selects the interpreter that has multipath_nmt installed (default: python).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 if [ $# -lt 1 ]; then
     echo "usage: $0 SAVE_DIR [N] [OUTPUT] [multipath-average options]" >&2
     exit 1

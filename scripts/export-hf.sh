@@ -3,6 +3,7 @@
 #   scripts/export-hf.sh CHECKPOINT OUT_DIR DATA_BIN [multipath-export-hf options, e.g. --bpe-codes CODES]
 # PYTHON selects the interpreter that has multipath_nmt installed (default: python).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 if [ $# -lt 3 ]; then
     echo "usage: $0 CHECKPOINT OUT_DIR DATA_BIN [multipath-export-hf options]" >&2
     exit 1

@@ -15,6 +15,7 @@
 # Environment: PYTHON (default: this repository's .venv/bin/python, else python3), OUT (a folder
 # for the two logs and the outcome lists; default: a new temporary folder, printed).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 
 if [[ $# -lt 1 || ! -d "$1/tests" ]]; then
     echo "usage: $0 FAIRSEQ_CHECKOUT [TEST_FILE ...]  (a fairseq checkout with a tests/ folder)" >&2

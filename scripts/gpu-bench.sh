@@ -14,6 +14,7 @@
 # Exit status: 0 when every row ran, 3 when one failed (its row says why), anything else when
 # the benchmark did not run. PYTHON selects the interpreter that has multipath_nmt installed.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 python=${PYTHON:-python}
 device=cuda
 for ((i = 1; i <= $#; i++)); do

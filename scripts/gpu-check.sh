@@ -31,6 +31,7 @@
 # says which and why), anything else when the check did not run. The last line says how long it
 # took. PYTHON selects the interpreter that has multipath_nmt installed (default: python).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 python=${PYTHON:-python}
 out=results/gpu-check bench=1 device=cuda precision=auto args=()
 while [ $# -gt 0 ]; do

@@ -7,6 +7,11 @@
 # Smaller runs (the tests): QUICKSTART_TRAIN_PAIRS (default 20000), QUICKSTART_TEST_PAIRS (500),
 # QUICKSTART_EPOCHS (5), QUICKSTART_AVERAGE (epoch checkpoints to average, 3).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
+if [[ $# -gt 1 || ${1:-} == -* ]]; then
+    echo "quickstart.sh: error: it takes one WORK_DIR and no options, got: $* (--help says more)" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 work=${1:-work/quickstart}
 train_pairs=${QUICKSTART_TRAIN_PAIRS:-20000}

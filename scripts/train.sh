@@ -48,6 +48,7 @@
 # PYTHON selects the interpreter with multipath_nmt installed
 # (default: python). --dry-run prints the command only.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 if [ $# -lt 2 ]; then
     echo "usage: $0 DATA_BIN SAVE_DIR --arch ARCH [--batch-tokens N] [--dry-run] [fairseq-train args...]" >&2
     exit 1

@@ -11,6 +11,7 @@
 # PYTHON selects the interpreter that has multipath_nmt installed (default: python);
 # MULTIPATH_NMT_NUM_GPUS overrides the detected GPU count (0 = CPU).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 if [ $# -lt 3 ]; then
     echo "usage: $0 DATA_BIN CHECKPOINT OUT_PREFIX [fairseq-generate args...]" >&2
     exit 1
