@@ -9,6 +9,11 @@ Reach beyond the plug-in's own models: every fairseq tool's ``--help`` lists the
 help strings are edited through argparse's private ``_actions`` on a parser that exits right after
 printing (not narrowed: argparse has no public list of a parser's actions).
 Does nothing when: ``-h``/``--help`` is not on the command line.
+
+A bad command line (an unknown flag, a missing value) is refused in one line,
+``fairseq-train: error: ... (--help lists the options)``, where argparse printed the whole usage of
+every flag first (hundreds of lines): ``error`` of the parser that fairseq's tool hands to
+``parse_args_and_arch``, set on that parser object alone.
 """
 import argparse
 import functools
@@ -26,10 +31,16 @@ def _arch_defaults(arch):
     return vars(defaults)
 
 
+def _one_line_error(parser, message):
+    sys.stderr.write(f"{parser.prog}: error: {message} (--help lists the options)\n")
+    sys.exit(2)
+
+
 def _help_after_model_flags(parse_args_and_arch):
     @functools.wraps(parse_args_and_arch)
     def parse_args_and_arch_with_full_help(parser, input_args=None, parse_known=False,
                                            suppress_defaults=False, modify_parser=None):
+        parser.error = functools.partial(_one_line_error, parser)
         argv = sys.argv[1:] if input_args is None else list(input_args)
         rest = [a for a in argv if a not in ("-h", "--help")]
         if len(rest) == len(argv) or suppress_defaults or not parser.add_help:
