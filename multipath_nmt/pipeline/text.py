@@ -85,7 +85,10 @@ def map_file(src, dst, func, init, init_args, workers, label, chunk_lines=CHUNK_
 
         if workers > 1:
             tether_children()
-            with multiprocessing.Pool(workers, initializer=init, initargs=init_args) as pool:
+            # fork, whatever the platform's default (forkserver from Python 3.14): the
+            # workers inherit the lifeline of tether_children
+            with multiprocessing.get_context("fork").Pool(workers, initializer=init,
+                                                          initargs=init_args) as pool:
                 for chunk in pool.imap(func, _chunks(read_lines(src), chunk_lines), chunksize=1):
                     write(chunk)
         else:
