@@ -91,8 +91,8 @@ def test_out_of_memory_in_the_optimizer_step_stops_in_one_line(toy_data_bin, tmp
 
 def test_out_of_memory_on_one_of_two_ranks_stops_both(toy_data_bin, tmp_path):
     """torchrun, 2 gloo ranks: rank 1 runs out of memory in update 2, rank 0 does not. Rank 1
-    stops in one line; rank 0, waiting for it in DDP's all-reduce, stops too (no hang: the test's
-    timeout), and torchrun exits 1."""
+    stops in one line; rank 0, waiting for it in one of DDP's collectives, stops too (no hang:
+    the test's timeout; stock fairseq hung), and torchrun exits 1."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
                str(free_port()), *_command(toy_data_bin, tmp_path / "ckpt", "--oom-at-update", 2,

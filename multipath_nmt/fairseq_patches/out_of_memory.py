@@ -14,8 +14,10 @@ dropping) and turns the error into :class:`OutOfMemoryInUpdateError`, whose one 
 (K of M, its sentences, its tokens with padding), the rank on several processes, ``--max-tokens``,
 CUDA's own words and what to do: a lower ``--max-tokens`` (``scripts/train.sh`` keeps the tokens
 per update with a higher ``--update-freq``) or ``--checkpoint-activations``. On several processes
-the rank that ran out stops; the others, waiting for it in a collective, fail when its connection
-closes (gloo) or are stopped by torchrun when it sees the failed worker. Splitting the micro-batch
+the rank that ran out stops at once; the others, waiting for it in a collective, fail with their
+own error when its connection closes (gloo: "Connection closed by peer", a traceback), or are
+stopped by torchrun once it sees the failed worker (SIGTERM, then SIGKILL 30 s later; the NCCL
+case is not tested here: the suite has no GPUs). Splitting the micro-batch
 and retrying was not chosen: its halves are other batches than every other run's, so results
 would depend on the memory left.
 
