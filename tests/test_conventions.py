@@ -58,7 +58,7 @@ def test_scripts_print_their_usage_on_stdout_for_help(script):
                           text=True, env=script_env(), cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage" in proc.stdout.lower() or script.removesuffix(".sh") in proc.stdout
-    assert proc.stderr in ("", f"score.sh: multipath-score --help\n")
+    assert proc.stderr in ("", "score.sh: multipath-score --help\n")
 
 
 def test_quickstart_refuses_an_option_in_one_line(tmp_path):

@@ -171,7 +171,7 @@ def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
     compiled = rows[gpu_bench.BASE + gpu_bench.COMPILED]
     assert "kernel_launches_per_update" not in compiled and "host_syncs_per_update" not in compiled
     assert compiled["counters"] == gpu_bench.COUNTERS_SKIPPED
-    line = next(l for l in report.splitlines() if l.startswith(f"| {gpu_bench.BASE}, --compile"))
+    line = next(printed for printed in report.splitlines() if printed.startswith(f"| {gpu_bench.BASE}, --compile"))
     assert line.split(" | ")[8:10] == ["n/a", "n/a"]
 
 

@@ -23,7 +23,7 @@ def test_cli_is_deterministic_for_a_seed(tmp_path):
         main(["--out", str(tmp_path / name), "--train", "300", "--valid", "20", "--test", "20",
                   "--seed", str(seed)])
     a, b, c = read(tmp_path / "a"), read(tmp_path / "b"), read(tmp_path / "c")
-    assert sorted(a) == [f"{s}.{l}" for s in ("test", "train", "valid") for l in ("de", "en")]
+    assert sorted(a) == [f"{s}.{lang}" for s in ("test", "train", "valid") for lang in ("de", "en")]
     assert a == b and a != c
     for split, n in (("train", 300), ("valid", 20), ("test", 20)):
         assert a[f"{split}.en"].count("\n") == a[f"{split}.de"].count("\n") == n

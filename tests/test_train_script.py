@@ -49,7 +49,7 @@ def _dry_run(data_bin, *args, gpus="0", check=True, **env):
 
 def _flags(proc):
     """The printed fairseq-train command as {flag: last value} (fairseq keeps the last one)."""
-    line = [l for l in proc.stdout.splitlines() if "fairseq_cli.train" in l][-1]
+    line = [printed for printed in proc.stdout.splitlines() if "fairseq_cli.train" in printed][-1]
     words = shlex.split(line.split("train.sh: ", 1)[1])
     flags = {}
     for i, word in enumerate(words):
@@ -283,7 +283,7 @@ def test_the_micro_batch_is_sized_from_the_gpus_memory(fake_data_bin, arch, gpus
     assert (flags["--max-tokens"], flags["--update-freq"]) == (max_tokens, update_freq)
     total = 32768 if arch.startswith("transformer_prenorm") else 65536
     assert int(max_tokens) * int(gpus) * int(update_freq) == total
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("train.sh: micro-batch:"))
+    line = next(printed for printed in proc.stdout.splitlines() if printed.startswith("train.sh: micro-batch:"))
     assert line.startswith(f"train.sh: micro-batch: {int(max_tokens):,} tokens, each worker's "
                            f"share cut into equal parts of at most ")
     assert line.endswith(f"the micro-batch that fits {int(card_mib):,} MiB "

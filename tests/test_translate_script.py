@@ -20,7 +20,7 @@ def _dry_run(tmp_path, *args, gpus, check=True):
 
 
 def _words(proc):
-    line = [l for l in proc.stdout.splitlines() if "fairseq_cli.generate" in l][-1]
+    line = [printed for printed in proc.stdout.splitlines() if "fairseq_cli.generate" in printed][-1]
     return shlex.split(line.split("translate.sh: ", 1)[1].rsplit(">", 1)[0])
 
 

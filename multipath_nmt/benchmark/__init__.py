@@ -39,4 +39,5 @@ from multipath_nmt.benchmark.bench_report import (
 )
 from multipath_nmt.benchmark.systems import SIZES, systems_for
 
-__all__ = ["SIZES", "markdown_report", "run", "systems_for", "write_reports"]
+__all__ = ["SIZES", "markdown_report", "run", "run_compiled", "run_proxies", "systems_for",
+           "write_compiled_report", "write_proxies_report", "write_reports"]

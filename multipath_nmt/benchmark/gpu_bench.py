@@ -336,7 +336,7 @@ def _row_main(spec_path, out_path):
     try:
         result = measure_row(job["spec"], job["size"], job["device"])
         result["phases_s"] = {"process_start": started_s, **result["phases_s"]}
-    except Exception as error:  # the parent reports it as the row's finding
+    except Exception as error:  # noqa: BLE001 the parent reports it as the row's finding
         lines = str(error).strip().splitlines()
         result = {"error": f"{type(error).__name__}: {lines[-1] if lines else ''}"[:300]}
     with open(out_path, "w") as f:

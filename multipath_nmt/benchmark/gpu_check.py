@@ -147,22 +147,22 @@ def release_memory(device):
 def failed_checks(result):
     """What a system's figures fail: finite losses, a falling loss, mixed precision against
     fp32, the fairseq-train run on 2 GPUs."""
-    failed = []
+    found = []
     if not result["losses_finite"]:
-        failed.append("a loss was not finite")
+        found.append("a loss was not finite")
     if not result["loss_fell"]:
-        failed.append("the loss did not fall")
+        found.append("the loss did not fall")
     versus = result.get("vs_fp32")
     if versus and not versus["passed"]:
-        failed.append("fp32's loss did not fall" if versus["gap_share_of_fp32_fall"] is None
+        found.append("fp32's loss did not fall" if versus["gap_share_of_fp32_fall"] is None
                       else f"the last loss is {versus['gap']:+.3f} from fp32's "
                            f"({100 * versus['gap_share_of_fp32_fall']:.0f}% of its fall)")
     ddp = result.get("ddp")
     if ddp and ddp["exit_status"] != 0:
-        failed.append(f"fairseq-train on {ddp['gpus']} GPUs exited with {ddp['exit_status']}")
+        found.append(f"fairseq-train on {ddp['gpus']} GPUs exited with {ddp['exit_status']}")
     elif ddp and not ddp["loss_fell"]:
-        failed.append(f"fairseq-train on {ddp['gpus']} GPUs: the loss did not fall")
-    return failed
+        found.append(f"fairseq-train on {ddp['gpus']} GPUs: the loss did not fall")
+    return found
 
 
 def check_system(size, system, data_dir, precision, device, from_data_bin, count_syncs,
@@ -220,7 +220,7 @@ def run_check(size_name="gpu", device="cuda", precision="auto", data=None, only=
                 results[system.name] = check_system(
                     size, system, data_dir, trained_in, device, data is not None, count_syncs,
                     languages, ddp_gpus, ddp_data)
-            except Exception as error:  # a failed system is a finding; check the others
+            except Exception as error:  # noqa: BLE001 a failed system is a finding; check the others
                 results[system.name] = {"error": f"{type(error).__name__}: {error}"}
             release_memory(device)  # the failed system's trainer too (its traceback is gone)
             results[system.name]["seconds"] = time.perf_counter() - system_start

@@ -356,7 +356,7 @@ def recipe_leg(names, systems, size, precision, device, dictionaries, data=None,
             for key, future in futures.items():
                 try:
                     done[key] = future.result()
-                except Exception as error:  # a chain that broke is a finding; report the rest
+                except Exception as error:  # noqa: BLE001 a chain that broke is a finding; report the rest
                     done[key] = error
     for name, per in commands.items():
         broken = [f"{label}: {type(done[name, label]).__name__}: {done[name, label]}"

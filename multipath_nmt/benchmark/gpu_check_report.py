@@ -5,7 +5,7 @@ import json
 import os
 
 from multipath_nmt.atomic_files import write_text_atomically
-from multipath_nmt.benchmark.gpu_check_setup import DDP_GPUS, STOCK
+from multipath_nmt.benchmark.gpu_check_setup import DDP_GPUS
 
 
 def failed(result):

@@ -63,7 +63,7 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
             try:
                 built[system.name], results[system.name] = _build_and_warm_up(
                     system, data, size, device, precision_flags, padded, gemm_shapes)
-            except Exception as error:  # a failed system is a finding; measure the others
+            except Exception as error:  # noqa: BLE001 a failed system is a finding; measure the others
                 results[system.name] = _failed(system, error)
                 log(f"{system.name} failed: {results[system.name]['error']}")
                 continue
@@ -122,7 +122,7 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
                 results[system.name]["peak_memory_mib"] = peak_memory_of_step(
                     [*fairseq_flags(size, system), *precision_flags], size, device, False,
                     system.loop_reference)
-            except Exception as error:  # the other figures of the system stand
+            except Exception as error:  # noqa: BLE001 the other figures of the system stand
                 results[system.name]["peak_memory_error"] = _error_line(error)
                 log(f"{system.name}: memory probe failed: {_error_line(error)}")
     return {
@@ -168,7 +168,7 @@ def run_proxies(size_name="default", device="cpu", precision="fp32", only=None, 
                                             timed=False)
                 row["host_ms_per_update"] = host_floor_ms(system, data, size, device,
                                                           recipe.PRECISIONS[precision])
-            except Exception as error:  # a failed system is a finding; count the others
+            except Exception as error:  # noqa: BLE001 a failed system is a finding; count the others
                 row = _failed(system, error)
             results[system.name] = row
             log(f"{system.name}: {row.get('kernel_launches_per_update')} kernel launches, "

@@ -141,7 +141,7 @@ def _explain_failure(path, err):
                                             "earlier checkpoint")
     try:  # did fairseq fail on the file, or on what the file holds?
         raw = torch.load(path, map_location="cpu")
-    except Exception as raw_err:
+    except Exception as raw_err:  # noqa: BLE001 whatever torch raises, the file is damaged
         return DamagedCheckpointError(path, f"damaged or truncated checkpoint "
                                             f"({_torch_reason(raw_err)}): {_DAMAGED}; use an "
                                             "earlier checkpoint")
@@ -165,7 +165,7 @@ def _untrusted_globals(path, err):
                if hasattr(g, "__qualname__")}
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # the legacy format: torch names the first refused global in its message
+    except Exception:  # noqa: BLE001 the legacy format: torch names the first refused global in its message
         found = re.findall(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
     return [g for g in found if g not in allowed]
 
@@ -287,7 +287,7 @@ def peek_checkpoint(path):
         f.seek(30 + name_len + extra_len)
         try:
             return _StructureOnly(f).load()
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 whatever the unpickler raises, the record is damaged
             raise DamagedCheckpointError(path, f"damaged checkpoint: its data.pkl record cannot be "
                                                f"read ({_torch_reason(err)})") from None
 

@@ -168,7 +168,7 @@ def extract_members(archive_path, members, dest):
 def _pair_members(pair):
     members = {}
     for corpus in pair.train:
-        paths = [corpus.member] if corpus.bitext_langs else [corpus.member.format(lang=l) for l in pair.langs]
+        paths = [corpus.member] if corpus.bitext_langs else [corpus.member.format(lang=lang) for lang in pair.langs]
         members.setdefault(corpus.archive, []).extend(paths)
     for evalset in (*pair.valid, pair.test):
         members.setdefault(evalset.archive, []).extend([evalset.en, evalset.xx])

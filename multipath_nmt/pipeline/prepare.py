@@ -62,7 +62,7 @@ from multipath_nmt.pipeline.text import (  # noqa: F401
 )
 from multipath_nmt.pipeline.tethered import tether_children
 from multipath_nmt.pipeline.wmt import ARCHIVES, TASKS
-from multipath_nmt.scoring import sgm_to_text  # noqa: F401
+from multipath_nmt.scoring import sgm_to_text
 
 # Consecutive failed attempts (no byte received) before a download gives up, and the wait per
 # failure. The download reads them from this module at each call (the tests and
@@ -201,7 +201,7 @@ def prepare_corpus(src, tgt, train, valid, test, out, bpe_merges=32000, workers=
     check_output_folder(out, "--out")
     check_output_folder(work_dir, "--work-dir" if given_work_dir else "--out or --work-dir")
     langs = (src, tgt)
-    raw_params = {"stage": "raw", "inputs": {f"{s}.{l}": stamp_of(p) for (s, l), p in inputs.items()}}
+    raw_params = {"stage": "raw", "inputs": {f"{s}.{lang}": stamp_of(p) for (s, lang), p in inputs.items()}}
 
     def copy_raw(tmp):
         for split in SPLITS:

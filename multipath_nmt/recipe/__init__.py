@@ -42,6 +42,7 @@ __all__ = [
     "USER_DIR", "Command", "generate_command", "train_command", "training_length",
     "UNSHARED_LANGUAGE_PAIRS", "dictionary_files", "embedding_sharing", "PRECISION_NOTES",
     "PRECISIONS", "choose_precision", "ddp_on_cpu", "gpu_count", "gpu_supports_bf16",
+    "no_cuda_device",
     "LAUNCHER_MODULE", "LAUNCHER_NOTE", "STOP_SIGNALS", "launcher_arguments", "run_launcher",
     "finish_translation",
 ]

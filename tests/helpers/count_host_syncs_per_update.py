@@ -8,10 +8,10 @@ import os
 
 from fairseq_cli import train  # first: it sets up fairseq's log format before fairseq logs
 
-import multipath_nmt  # noqa: E402,F401  the patches go in before the counting wrappers below
-from fairseq.trainer import Trainer  # noqa: E402
+import multipath_nmt  # noqa: F401  the patches go in before the counting wrappers below
+from fairseq.trainer import Trainer
 
-from multipath_nmt.host_syncs import HostSyncCounter  # noqa: E402
+from multipath_nmt.host_syncs import HostSyncCounter
 
 COUNTS = {}
 

@@ -77,7 +77,7 @@ def _report(value):
                 "wrapped": len(known),
                 "namespace_allowed": argparse.Namespace in safe,
                 "registered": "multipath_transformer_wmt_en_de" in ARCH_MODEL_REGISTRY}
-    except Exception:  # what an uncaught error prints in a process of its own
+    except Exception:  # noqa: BLE001 what an uncaught error prints in a process of its own
         traceback.print_exc()
         return {"returncode": 1}
 

@@ -171,12 +171,12 @@ def _run_child(request, pipe, client, fds, fairseq_logging):
             code = 0
         except SystemExit as error:
             code = _exit_code(error)
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001
             interrupted = isinstance(error, KeyboardInterrupt)
             tb = _command_frames(error)
             try:
                 sys.excepthook(type(error), error.with_traceback(tb), tb)
-            except BaseException as hook_error:  # reported as the interpreter reports it
+            except BaseException as hook_error:  # noqa: BLE001 reported as the interpreter reports it
                 print("Error in sys.excepthook:", file=sys.stderr)
                 hook_error.__context__, hook_tb = None, _command_frames(hook_error)
                 sys.__excepthook__(type(hook_error), hook_error.with_traceback(hook_tb), hook_tb)

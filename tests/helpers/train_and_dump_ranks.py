@@ -16,10 +16,10 @@ import os
 
 from fairseq_cli import train  # first: it sets up fairseq's log format before fairseq logs
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from fairseq import checkpoint_utils  # noqa: E402
-from fairseq.tasks import FairseqTask  # noqa: E402
+import torch
+import torch.distributed as dist
+from fairseq import checkpoint_utils
+from fairseq.tasks import FairseqTask
 
 
 def _also_dump_this_rank(save_checkpoint):

@@ -9,8 +9,8 @@ import threading
 
 from fairseq_cli import train  # first: it sets up fairseq's log format before fairseq logs
 
-import multipath_nmt  # noqa: E402,F401  (installs the patches)
-from multipath_nmt import atomic_files  # noqa: E402
+import multipath_nmt  # noqa: F401  (installs the patches)
+from multipath_nmt import atomic_files
 
 
 def _failing_once(write_atomically):

@@ -4,9 +4,9 @@ enabled CPU GradScaler (growth interval 2: the scale doubles every second clean 
 the criterion under float16 CPU autocast."""
 from fairseq_cli import train  # first: it sets up fairseq's log format
 
-import torch  # noqa: E402
-from fairseq.optim.amp_optimizer import AMPOptimizer  # noqa: E402
-from fairseq.tasks.fairseq_task import FairseqTask  # noqa: E402
+import torch
+from fairseq.optim.amp_optimizer import AMPOptimizer
+from fairseq.tasks.fairseq_task import FairseqTask
 
 
 def with_cpu_scaler(init):

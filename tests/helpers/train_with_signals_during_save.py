@@ -7,9 +7,9 @@ import time
 
 from fairseq_cli import train  # first: it sets up fairseq's log format before fairseq logs
 
-import multipath_nmt  # noqa: E402,F401  (installs the patches, the stop on signals included)
-from multipath_nmt import atomic_files  # noqa: E402
-from multipath_nmt.fairseq_patches import preemption  # noqa: E402
+import multipath_nmt  # noqa: F401  (installs the patches, the stop on signals included)
+from multipath_nmt import atomic_files
+from multipath_nmt.fairseq_patches import preemption
 
 
 def _signalled_while_writing(write_atomically):
