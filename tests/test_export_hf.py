@@ -8,7 +8,8 @@ Hugging Face transformers folders, and ONNX Runtime for the dense ones.
   folded EWA); beam 4 with lenpen 0.6 reported (share of identical hypotheses, BLEU difference).
 - The tokenizer: raw text to the ids of multipath-prepare's pipeline, and back to detokenized text.
 - Refusals: one line each, with the reason.
-- ONNX (optimum + ONNX Runtime): greedy output identical to PyTorch's on the toy test set.
+- ONNX (optimum + ONNX Runtime): greedy output identical to PyTorch's on the toy test set, in
+  make test-onnx's venv (optimum-onnx needs transformers < 4.58).
 No Hub access: HF_HUB_OFFLINE, and the remote code's module cache under the test's tmp folder.
 """
 import errno
@@ -312,8 +313,9 @@ def test_beam_4_lenpen_0_6_against_fairseq_generate(name, exported, toy_data_bin
 
 @pytest.mark.slow
 def test_onnx_runtime_greedy_output_is_pytorchs(exported, toy_data_bin, tmp_path):
-    onnx_runtime = pytest.importorskip("optimum.onnxruntime",
-                                       reason="optimum-onnx is not installed")
+    onnx_runtime = pytest.importorskip(
+        "optimum.onnxruntime", reason="optimum-onnx is not installed: it needs transformers < 4.58, "
+                                      "make test-onnx runs this test in a venv of its own")
     _, folder = exported["dense"]
     ort_model = onnx_runtime.ORTModelForSeq2SeqLM.from_pretrained(folder, export=True)
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()

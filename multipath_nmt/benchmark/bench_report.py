@@ -31,7 +31,8 @@ def environment(device, commit=None):
             return None
 
     info = {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "fairseq": version("ve-fairseq") or version("fairseq"),
+            "cuda": torch.version.cuda,
+            "fairseq": version("fairseq-fixed") or version("ve-fairseq") or version("fairseq"),
             "cpu_cores": os.cpu_count(), "commit": commit or git_commit()}
     if device == "cuda":
         info.update(device=torch.cuda.get_device_name(),

@@ -20,8 +20,8 @@ the last batch of each pass is dropped; a resume after epoch 1 trains on other b
 kill the run without a save; ``torchrun`` on CPUs fails; errors are tracebacks, found mid-epoch;
 ``--help`` lists no model flags; attention takes fairseq's masked path.
 
-Tested with fairseq 0.12.3 and torch 2.13. "fairseq 0.12" below means the 0.12 series (the last
-release); "any" means every torch that setup.py allows (>= 2.1).
+Tested with fairseq-fixed 0.12.3.1 (fairseq main of January 2024; README, "Which fairseq") and torch 2.13. "fairseq 0.12" below means the 0.12 series (the last
+release); "any" means every torch that pyproject.toml allows (>= 2.1).
 
 ================  ==========================================================  ===================================================  ============  =================================================================================================
 Module            What is patched                                             Why                                                  Needed on     Proved by

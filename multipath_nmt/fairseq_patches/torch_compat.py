@@ -54,7 +54,7 @@ def _trusting_broadcast(broadcast):
 def install():
     from fairseq.distributed import utils as distributed_utils
 
-    # torch < 2.4 (setup.py allows >= 2.1) has no allow-list and loads everything by default.
+    # torch < 2.4 (pyproject.toml allows >= 2.1) has no allow-list and loads everything by default.
     if not hasattr(torch.serialization, "add_safe_globals"):
         return
     torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS)
