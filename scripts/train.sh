@@ -24,8 +24,8 @@
 # CPU; --precision bf16|fp16|fp32 to choose; docs/gpu.md says why).
 #   base (transformer_prenorm/transformer):  lr 0.001, 8000 warmup,  32,768 tokens per update
 #   deep/multi-path/wide/WideNet/EWA/ParameterNet/MoE:  lr 0.002, 16000 warmup, 65,536 tokens per update
-# Each arch's recipe is its row in ARCH_RECIPES (multipath_nmt/recipe/archs.py); an arch without a
-# row is refused in one line (add a row for a new arch).
+# Each arch's recipe is its row in the arch table (ARCHS, multipath_nmt/arch_table.py); an arch
+# without a row is refused in one line (add a row for a new arch).
 # Tokens per update = max-tokens x GPUs x update-freq: the paper's 4,096 / 8,192 tokens, read
 # as per GPU (docs/fidelity.md), on 8 GPUs, kept exactly on any GPU count that divides it
 # (max-tokens, default 4096, is a cap, lowered where needed; e.g. 3 GPUs are refused with a

@@ -14,7 +14,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from fairseq.sequence_generator import SequenceGenerator
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from multipath_nmt.params import build_model, parameter_counts
-from multipath_nmt.models.multipath_transformer import PRESETS
+from multipath_nmt.arch_table import MULTIPATH_PRESETS
 from multipath_nmt.modules.multipath import MultiPathDecoderLayer, MultiPathEncoderLayer
 
 PAPER_DICT_SIZE = 34880
@@ -63,7 +63,7 @@ def test_base_model_has_the_papers_62m_parameters():
     assert round(total["total"] / 1e6) == 62
 
 
-@pytest.mark.parametrize("layers,paths", PRESETS)
+@pytest.mark.parametrize("layers,paths", MULTIPATH_PRESETS)
 def test_presets_set_layers_paths_and_ours(layers, paths):
     model = build_model(f"multipath_l{layers}_p{paths}_wmt_en_de", 100)
     assert len(model.encoder.layers) == layers
@@ -244,7 +244,7 @@ def test_beam_1_after_beam_4_decodes_as_a_fresh_model():
 
 
 @pytest.mark.parametrize("arch", ["multipath_transformer_wmt_en_de"] + [
-    f"multipath_l{layers}_p{paths}_wmt_en_de" for layers, paths in PRESETS])
+    f"multipath_l{layers}_p{paths}_wmt_en_de" for layers, paths in MULTIPATH_PRESETS])
 def test_every_arch_trains_with_tiny_overrides(arch):
     """One optimizer step of each preset (tiny dimensions from the command line) lowers the
     loss on its batch and moves the path weights."""

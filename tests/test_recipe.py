@@ -4,6 +4,7 @@ translation files of translate.sh (the command lines are tested through train.sh
 --dry-run)."""
 import pytest
 
+from multipath_nmt.arch_table import ARCHS, Shape
 from multipath_nmt.recipe import (ARCH_RECIPES, BASE, DEEP, PRECISIONS, RecipeError, batch_plan,
                                   choose_precision, criterion_for_arch, dictionary_files,
                                   embedding_sharing, finish_translation, recipe_for_arch)
@@ -204,27 +205,67 @@ def test_finish_translation_sorts_by_sentence_id_and_refuses_an_unfinished_outpu
     assert partial.exists() and not (tmp_path / "valid.generate").exists()
 
 
-def test_every_architecture_the_plug_in_registers_has_a_recipe_row():
-    """A new arch without a row in ARCH_RECIPES fails here (train.sh would refuse it), and every
-    row names an arch that fairseq knows once the plug-in is loaded."""
+def test_every_architecture_the_plug_in_registers_has_a_row_in_the_arch_table():
+    """A new arch without a row in the arch table fails here (train.sh would refuse it, and the
+    memory model would have no shape for it), and every row names an arch that fairseq knows once
+    the plug-in is loaded, of the model the row names; the recipes are the table's."""
     import multipath_nmt  # noqa: F401  (registers the plug-in's architectures)
-    from fairseq.models import ARCH_CONFIG_REGISTRY
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 
     ours = {arch for arch, function in ARCH_CONFIG_REGISTRY.items()
             if function.__module__.startswith("multipath_nmt.")}
     assert len(ours) >= 23 and "multipath_l6_p4_wmt_en_de" in ours
-    assert sorted(ours - set(ARCH_RECIPES)) == []
-    assert sorted(set(ARCH_RECIPES) - set(ARCH_CONFIG_REGISTRY)) == []
-    assert set(ARCH_RECIPES.values()) == {BASE, DEEP}
+    assert sorted(ours - set(ARCHS)) == []
+    assert sorted(set(ARCHS) - set(ARCH_CONFIG_REGISTRY)) == []
+    assert {arch: ARCH_MODEL_NAME_REGISTRY[arch] for arch in ARCHS} == {
+        arch: row.model for arch, row in ARCHS.items()}
+    assert list(ARCH_RECIPES) == list(ARCHS) and set(ARCH_RECIPES.values()) == {BASE, DEEP}
+    assert all(ARCH_RECIPES[arch] is {"base": BASE, "deep": DEEP}[row.recipe]
+               for arch, row in ARCHS.items())
 
 
-@pytest.mark.parametrize("arch", ["transformer_vaswani_wmt_en_de_big", "my_multipath_variant", ""])
-def test_an_arch_without_a_row_is_refused_not_given_a_recipe(arch):
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_each_rows_shape_is_the_registered_archs_defaults_and_has_a_memory_model(tmp_path, arch):
+    """The row's shape is the encoder layers, paths, decoder layers, width and FFN width (the
+    decoder's the same) that the registered arch gives a command line without them; a routed row
+    (and only the routed models' rows) names a family the memory model has a measured peak of;
+    the memory model plans a micro-batch for every row."""
+    from argparse import Namespace
+
+    import multipath_nmt  # noqa: F401  (registers the plug-in's architectures)
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    from multipath_nmt.recipe import memory_model
+
+    row, args = ARCHS[arch], Namespace()
+    ARCH_CONFIG_REGISTRY[arch](args)
+    assert Shape(args.encoder_layers, getattr(args, "encoder_paths", 1), args.decoder_layers,
+                 args.encoder_embed_dim, args.encoder_ffn_embed_dim) == row.shape
+    assert (args.decoder_embed_dim, args.decoder_ffn_embed_dim) == (row.shape.dim, row.shape.ffn)
+    assert (row.routed is not None) == (row.model in ("widenet_transformer", "moe_transformer"))
+    assert row.routed is None or row.routed in memory_model._ROUTED_PEAKS
+    (tmp_path / "dict.en.txt").write_text("".join(f"w{i} 1\n" for i in range(31996)))
+    assert memory_model.estimate(arch, [tmp_path / "dict.en.txt"], True).max_tokens(143771) > 0
+
+
+@pytest.mark.parametrize("arch", ["transformer_vaswani_wmt_en_de_big", "my_multipath_variant",
+                                  "moe_my_variant", ""])
+def test_an_arch_without_a_row_is_refused_not_given_a_recipe(arch, tmp_path):
+    """Nor a criterion or a memory model by its name (as a prefix of a routed family would)."""
+    from multipath_nmt.recipe.memory_model import estimate
+
+    for refused in (recipe_for_arch, criterion_for_arch):
+        with pytest.raises(RecipeError) as error:
+            refused(arch)
+        assert str(error.value) == (
+            f"unknown arch '{arch}': no recipe for it in multipath_nmt/arch_table.py's "
+            f"ARCHS; add a row (recipe base or deep) for it there")
+    (tmp_path / "dict.en.txt").write_text("w 1\n")
     with pytest.raises(RecipeError) as error:
-        recipe_for_arch(arch)
+        estimate(arch, [tmp_path / "dict.en.txt"], True)
     assert str(error.value) == (
-        f"unknown arch '{arch}': no recipe for it in multipath_nmt/recipe/archs.py's "
-        f"ARCH_RECIPES; add a row (BASE or DEEP) for it there")
+        f"no memory model for arch '{arch}': it has no row in multipath_nmt/arch_table.py's "
+        f"ARCHS; give --max-tokens N")
 
 
 def test_the_memory_models_peaks_are_those_of_the_committed_gpu_run():

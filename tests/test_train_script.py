@@ -401,16 +401,16 @@ def test_bad_arguments(fake_data_bin, args, message):
 
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_an_arch_without_a_recipe_is_refused_in_one_line(fake_data_bin, tmp_path, dry_run):
-    """An arch that multipath_nmt/recipe/archs.py has no row for (a user's own variant, a stock
-    fairseq arch the paper's recipes do not cover) is refused before anything runs: it is never
-    given the base model's learning rate and batch."""
+    """An arch that the arch table (multipath_nmt/arch_table.py) has no row for (a user's own
+    variant, a stock fairseq arch the paper's recipes do not cover) is refused before anything
+    runs: it is never given the base model's learning rate and batch."""
     args = ["bash", TRAIN_SH, fake_data_bin, tmp_path / "save", "--arch", "my_multipath_variant",
             *(["--dry-run"] if dry_run else [])]
     proc = run_cli(args, env=script_env(MULTIPATH_NMT_NUM_GPUS="0"), check=False)
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr == (
         "train.sh: error: unknown arch 'my_multipath_variant': no recipe for it in "
-        "multipath_nmt/recipe/archs.py's ARCH_RECIPES; add a row (BASE or DEEP) for it there\n")
+        "multipath_nmt/arch_table.py's ARCHS; add a row (recipe base or deep) for it there\n")
     assert not (tmp_path / "save").exists()
 
 

@@ -24,6 +24,7 @@ from fairseq.models.transformer import (
 )
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
+from multipath_nmt.arch_table import MULTIPATH_PRESETS
 from multipath_nmt.modules import get_activation_fn
 from multipath_nmt.modules.multipath import (
     MultiPathAttention,
@@ -33,8 +34,6 @@ from multipath_nmt.modules.multipath import (
 
 logger = logging.getLogger(__name__)
 
-# (encoder layers, paths) of the multi-path systems of Table 2 / Table 3.
-PRESETS = ((6, 2), (12, 2), (6, 4), (12, 3), (6, 6), (24, 2), (12, 4), (6, 8))
 
 def _path_options(args):
     return dict(
@@ -261,5 +260,6 @@ def _register_preset(layers, paths):
     return preset
 
 
-for _layers, _paths in PRESETS:
+# The multi-path systems of Table 2 / Table 3 (the arch table's presets).
+for _layers, _paths in MULTIPATH_PRESETS:
     _register_preset(_layers, _paths)

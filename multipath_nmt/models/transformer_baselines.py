@@ -7,7 +7,7 @@ stock fairseq models, so checkpoints load in plain fairseq and benchmarks compar
 from fairseq.models import register_model_architecture
 from fairseq.models.transformer import transformer_wmt_en_de
 
-DEEP_ENCODER_LAYERS = (12, 24, 36, 48)
+from multipath_nmt.arch_table import DEEP_ENCODER_LAYERS, WIDE
 
 
 @register_model_architecture("transformer", "transformer_prenorm_wmt_en_de")
@@ -32,11 +32,12 @@ for _layers in DEEP_ENCODER_LAYERS:
 
 @register_model_architecture("transformer", "transformer_wide_wmt_en_de")
 def transformer_wide_wmt_en_de(args):
-    # Fig. 1's wide baseline: every matrix dimension of the base model doubled (d 1024, FFN 4096).
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 1024)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 4096)
+    # Fig. 1's wide baseline: every matrix dimension of the base model doubled (the arch table's
+    # WIDE: d 1024, FFN 4096; 16 heads of 64).
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", WIDE.dim)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", WIDE.ffn)
     args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 16)
-    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 1024)
-    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 4096)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", WIDE.dim)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", WIDE.ffn)
     args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 16)
     transformer_prenorm_wmt_en_de(args)

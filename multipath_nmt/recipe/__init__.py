@@ -1,7 +1,7 @@
 """The Multi-Path Transformer paper's training recipe (Lin et al., 2022, Sec. 4.1) and our
 decoding defaults, as the fairseq-train and fairseq-generate command lines that
 ``scripts/train.sh``, ``scripts/translate.sh`` and the Multi30k study run: learning rate, warm-up
-and batch per architecture (:mod:`.archs`, an explicit table), the batch split over GPUs
+and batch per architecture (:mod:`.archs`, from the arch table :mod:`multipath_nmt.arch_table`), the batch split over GPUs
 (:mod:`.batch`) in micro-batches that the GPU's memory holds (:mod:`.memory_model`), which embeddings are shared (:mod:`.embedding_sharing`), the device and precision
 (:mod:`.devices`), the launcher for several processes (:mod:`.launcher`), the command lines
 (:mod:`.commands`) and translate.sh's output files (:mod:`.translation`).
@@ -15,13 +15,13 @@ Embeddings: Table 2's En-De sizes are one joined dictionary with every embedding
 En-Fr sizes (111M / 168M) need about 130,800 embedding rows of 512, i.e. three unshared matrices
 of about 43,600 types (docs/fidelity.md has the arithmetic), so En-Fr shares nothing.
 
-These modules import neither fairseq nor the rest of the package (torch only to ask about CUDA
+These modules import neither fairseq nor the rest of the package but the arch table (torch only to ask about CUDA
 and to run torchrun): ``scripts/run-recipe.sh`` loads them and :mod:`multipath_nmt.cli.recipe_scripts`
 without the package's ``__init__``, which imports fairseq, so that train.sh starts in a fraction of
 the seconds fairseq's import takes.
 """
-from multipath_nmt.recipe.archs import (ARCH_RECIPES, BASE, DEEP, MOE_ARCH_PREFIXES, PAPER_GPUS,
-                                        Recipe, RecipeError, criterion_for_arch, recipe_for_arch)
+from multipath_nmt.recipe.archs import (ARCH_RECIPES, BASE, DEEP, PAPER_GPUS, Recipe, RecipeError,
+                                        criterion_for_arch, recipe_for_arch)
 from multipath_nmt.recipe.batch import DEFAULT_MAX_TOKENS, BatchPlan, batch_plan
 from multipath_nmt.recipe.commands import (DECODING, RECIPE_DROPOUT, RECIPE_EPOCHS,
                                            READ_FAIRSEQ_FLAGS, TRAIN_SH_FLAGS, USER_DIR, Command,
@@ -36,7 +36,7 @@ from multipath_nmt.recipe.launcher import (LAUNCHER_MODULE, LAUNCHER_NOTE, STOP_
 from multipath_nmt.recipe.translation import finish_translation
 
 __all__ = [
-    "ARCH_RECIPES", "BASE", "DEEP", "MOE_ARCH_PREFIXES", "PAPER_GPUS", "Recipe", "RecipeError",
+    "ARCH_RECIPES", "BASE", "DEEP", "PAPER_GPUS", "Recipe", "RecipeError",
     "criterion_for_arch", "recipe_for_arch", "DEFAULT_MAX_TOKENS", "BatchPlan", "batch_plan",
     "DECODING", "RECIPE_DROPOUT", "RECIPE_EPOCHS", "READ_FAIRSEQ_FLAGS", "TRAIN_SH_FLAGS",
     "USER_DIR", "Command", "generate_command", "train_command", "training_length",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
+from multipath_nmt.arch_table import ARCHS, TABLE, Shape
 from multipath_nmt.recipe.archs import RecipeError
 from multipath_nmt.recipe.devices import unseen_gpus
 from multipath_nmt.recipe.train_flags import given_flags
@@ -50,30 +51,8 @@ DECODER_LAYER_BYTES = (_BASE_ACTIVATIONS / MEASURED_MAX_TOKENS - 6 * ENCODER_LAY
                        - LOGIT_BYTES_PER_TYPE * MEASURED_VOCAB) / 6
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The dimensions the memory model reads: layers, encoder paths, width, FFN width."""
-    encoder_layers: int = 6
-    encoder_paths: int = 1
-    decoder_layers: int = 6
-    dim: int = 512
-    ffn: int = 2048
-
-
-# The dense and multi-path archs' shapes (their registrations in multipath_nmt/models/ and
-# fairseq's transformer_wmt_en_de); tests/test_recipe.py checks them against the built models.
-SHAPES = {
-    "transformer": Shape(),
-    "transformer_wmt_en_de": Shape(),
-    "transformer_prenorm_wmt_en_de": Shape(),
-    **{f"transformer_deep{n}_wmt_en_de": Shape(encoder_layers=n) for n in (12, 24, 36, 48)},
-    "transformer_wide_wmt_en_de": Shape(dim=1024, ffn=4096),
-    "multipath_transformer": Shape(encoder_paths=2),
-    "multipath_transformer_wmt_en_de": Shape(encoder_paths=2),
-    **{f"multipath_l{n}_p{p}_wmt_en_de": Shape(encoder_layers=n, encoder_paths=p)
-       for n, p in ((6, 2), (6, 4), (6, 6), (6, 8), (12, 2), (12, 3), (12, 4), (24, 2))},
-}
-# The routed families at d 512 with their defaults, measured whole (module docstring):
+# The routed families (the arch table's ``routed``) at d 512 with their defaults, measured whole
+# (module docstring):
 # (peak MiB at 4,096 max-tokens, parameters at 32,000 shared types).
 _ROUTED_PEAKS = {
     "widenet": (4204.28271484375, 51074048),
@@ -103,7 +82,7 @@ class MemoryEstimate:
 
 
 def _given_shape(arch: str, passed_on: Sequence[str]) -> Shape:
-    values = dict(SHAPES[arch].__dict__)
+    values = dict(ARCHS[arch].shape.__dict__)
     for flag, text in given_flags(passed_on, SHAPE_FLAGS).items():
         if text.isdigit():
             values[SHAPE_FLAGS[flag]] = int(text)
@@ -122,7 +101,10 @@ def estimate(arch: str, dictionaries: Sequence[Path], shared_embeddings: bool,
     (source, target), with the shape flags among fairseq-train's arguments ``passed_on``."""
     source_types, target_types = (_dictionary_size(d) for d in (*dictionaries, dictionaries[-1])[:2])
     logits = LOGIT_BYTES_PER_TYPE * target_types
-    family = next((f for f in _ROUTED_PEAKS if arch.startswith(f)), None)
+    if arch not in ARCHS:
+        raise RecipeError(f"no memory model for arch '{arch}': it has no row in {TABLE}; give "
+                          f"--max-tokens N")
+    family = ARCHS[arch].routed
     if family:
         peak_mib, params = _ROUTED_PEAKS[family]
         activations = (peak_mib * MIB - STATIC_BYTES_PER_PARAM * params) / MEASURED_MAX_TOKENS
@@ -130,9 +112,6 @@ def estimate(arch: str, dictionaries: Sequence[Path], shared_embeddings: bool,
                                    source_types + 2 * target_types) - MEASURED_VOCAB)
         return MemoryEstimate(STATIC_BYTES_PER_PARAM * (params + embedding_change),
                               activations + logits - LOGIT_BYTES_PER_TYPE * MEASURED_VOCAB)
-    if arch not in SHAPES:
-        raise RecipeError(f"no memory model for arch '{arch}' in "
-                          f"multipath_nmt/recipe/memory_model.py's SHAPES; give --max-tokens N")
     shape = _given_shape(arch, passed_on)
     d, f = shape.dim, shape.ffn
     encoder_layer = 4 * d * d + 2 * d * f
