@@ -10,7 +10,7 @@ Two measurements on the benchmark's default size, fp32:
 2. That mask on its own: ``x <= 0`` over one FFN activation of the 6x4 model (1,024 tokens x 4
    paths x FFN 1,024), eager against inductor's kernel, one thread.
 
-    .venv/bin/python benchmark/compile_profile.py ["multi-path L x 4 (full)"]
+    .venv/bin/python studies/compile_profile.py ["multi-path L x 4 (full)"]
 """
 import statistics
 import sys

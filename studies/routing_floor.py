@@ -8,7 +8,7 @@ tokens, forward and backward; the gate scaling and the gates' gradient (a dot pr
 No routing decision, no autograd, no Python around them, and the same tensors every time, so
 caches are warm: a lower bound on what routing adds to a dense FFN, on the benchmark's clock.
 
-    .venv/bin/python benchmark/routing_floor.py
+    .venv/bin/python studies/routing_floor.py
 """
 import statistics
 

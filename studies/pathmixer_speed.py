@@ -2,7 +2,7 @@
 matmul), side by side on the CPU: forward + backward of one multi-path encoder layer, the
 module of ``b5088b9~1`` and today's, built with the same seed, timed alternately in one process.
 
-    python benchmark/pathmixer_speed.py [OUT.json]   # in a git checkout (reads b5088b9~1)
+    python studies/pathmixer_speed.py [OUT.json]   # in a git checkout (reads b5088b9~1)
 
 Writes the medians [min-max] of each round's milliseconds per step and their ratio, with the
 machine, torch and commit (docs/bench/pathmixer-speed-cpu.json). A study script, not a test.
