@@ -3,8 +3,11 @@
 :func:`install` (called by ``multipath_nmt/__init__.py``, so by every ``--user-dir multipath_nmt``
 run) puts them all in place; calling it again changes nothing. Each patch is a
 ``make_wrapper(original)`` put in place by :func:`multipath_nmt.fairseq_patches.wrapping.wrap`,
-which marks the wrapper with the patch's name and skips a patch already there. The code a patch
-calls, when it is more than the wiring, is library code outside this package
+which marks the wrapper with the patch's name and skips a patch already there. Before any of them,
+:func:`install` refuses in one line a fairseq the patches are not tested on
+(:data:`~multipath_nmt.fairseq_patches.wrapping.KNOWN_FAIRSEQ`) and an attribute a patch would
+wrap that is missing or not callable (:mod:`multipath_nmt.fairseq_patches.wrapping` says how).
+The code a patch calls, when it is more than the wiring, is library code outside this package
 (:mod:`multipath_nmt.checkpoint_io`, :mod:`multipath_nmt.ewa.training`,
 :mod:`multipath_nmt.atomic_files`).
 
@@ -167,6 +170,8 @@ from multipath_nmt.fairseq_patches import (attention, batching, checkpoints, com
                                            data_bins, distributed, ewa_trainer, grad_norm,
                                            help_flags, mixed_precision, numerics, out_of_memory,
                                            preemption, save_dirs, torch_compat)
+from multipath_nmt.fairseq_patches.wrapping import (SWITCH, PatchRefusedError, one_line_refusals,
+                                                    planning, refuse_untested_fairseq, wrap)
 
 MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distributed, numerics,
            out_of_memory, mixed_precision, grad_norm, attention, ewa_trainer, preemption,
@@ -175,13 +180,13 @@ MODULES = (torch_compat, help_flags, batching, checkpoints, data_bins, distribut
 
 NAMES = tuple(module.__name__.rsplit(".", 1)[1] for module in MODULES)
 
-# ``MULTIPATH_NMT_PATCHES=off`` installs none of the patches: fairseq runs as it ships, for
-# debugging and for measuring stock fairseq. The models still register; what the patches fix
-# is broken again (on torch >= 2.6 no checkpoint loads, --amp unscales twice, ...).
+# SWITCH, ``MULTIPATH_NMT_PATCHES`` (defined in wrapping, whose refusals name it): ``off``
+# installs none of the patches: fairseq runs as it ships, for debugging and for measuring stock
+# fairseq. The models still register; what the patches fix is broken again (on torch >= 2.6 no
+# checkpoint loads, --amp unscales twice, ...).
 # ``-NAME,-NAME`` leaves out only those modules: someone chasing one patch keeps the others (a
 # checkpoint still loads while the attention patch is off). Only exclusions are offered: every
 # patch is on unless named, so a new patch module is never silently left out.
-SWITCH = "MULTIPATH_NMT_PATCHES"
 
 
 def left_out():
@@ -218,19 +223,32 @@ def running_a_fairseq_command():
 
 
 def install():
-    """Put every patch in place (idempotent), but those ``MULTIPATH_NMT_PATCHES`` turns off."""
+    """Put every patch in place (idempotent), but those ``MULTIPATH_NMT_PATCHES`` turns off.
+
+    Before the first wrap: the fairseq of this process must be one the patches are tested on, and
+    every attribute they wrap must be there and callable; else :class:`PatchRefusedError`, one
+    line in a command-line tool (the hook that prints it goes in just before it is raised)."""
     skipped = left_out()
     logger = logging.getLogger(__name__)
+    in_force = [name for name in NAMES if name not in skipped]
+    modules = [module for name, module in zip(NAMES, MODULES) if name in in_force]
+    if modules:
+        try:
+            refuse_untested_fairseq(in_force, len(NAMES))
+            with planning():  # every wrap checks its target; nothing is replaced yet
+                for module in modules:
+                    module.install()
+        except PatchRefusedError:
+            wrap(sys, "excepthook", one_line_refusals)
+            raise
     if len(skipped) == len(NAMES):
         logger.warning("%s=off: fairseq runs without the plug-in's patches", SWITCH)
     elif skipped:
         logger.warning("%s=%s: fairseq runs without the plug-in's patches %s", SWITCH,
                        os.environ[SWITCH].strip(), ", ".join(skipped))
-    in_force = [name for name in NAMES if name not in skipped]
     # at the start of a fairseq-train log, which the run's numbers depend on (docs/patches.md);
     # our own tools print nothing of it (fairseq's speech modules turn INFO on at import)
     logger.log(logging.INFO if running_a_fairseq_command() else logging.DEBUG,
                "patches in force: %s (%s switches them)", ", ".join(in_force) or "none", SWITCH)
-    for name, module in zip(NAMES, MODULES):
-        if name in in_force:
-            module.install()
+    for module in modules:
+        module.install()

@@ -442,8 +442,9 @@ def install():
     wrap(checkpoint_utils, "load_model_ensemble_and_task", _checking_ensemble_dictionaries)
     wrap(Trainer, "load_checkpoint", _checking_trainer_dictionaries)
     wrap(Trainer, "state_dict", _recording_dictionaries)
-    wrap(sys, "excepthook", _one_line_errors)
-    if _report_a_lost_write_error not in _atexit_registered:
+    # the atexit report goes in with the hook, not while install() only checks (planning)
+    if wrap(sys, "excepthook", _one_line_errors) and \
+            _report_a_lost_write_error not in _atexit_registered:
         atexit.register(_report_a_lost_write_error)
         _atexit_registered.append(_report_a_lost_write_error)
 

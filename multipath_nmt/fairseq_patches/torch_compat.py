@@ -57,8 +57,9 @@ def install():
     # torch < 2.4 (pyproject.toml allows >= 2.1) has no allow-list and loads everything by default.
     if not hasattr(torch.serialization, "add_safe_globals"):
         return
-    torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS)
-    trusted = os.environ.get(TRUST_ENV, "")
-    if trusted.strip():
-        trust_globals(*[n for n in trusted.split(",") if n.strip()])
-    wrap(distributed_utils, "_broadcast_object_slow", _trusting_broadcast)
+    # the allow-list goes in with the wrap: once, and not while install() only checks (planning)
+    if wrap(distributed_utils, "_broadcast_object_slow", _trusting_broadcast):
+        torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS)
+        trusted = os.environ.get(TRUST_ENV, "")
+        if trusted.strip():
+            trust_globals(*[n for n in trusted.split(",") if n.strip()])
