@@ -6,9 +6,9 @@ modules keep any update-dependent state in parameters, buffers or ``set_num_upda
 schedule) and draw their randomness (router noise, EWA token groups) from that seeded RNG. So on
 CPU, single-threaded, a killed-and-resumed run ends bit-exactly where an uninterrupted run ends.
 Across epoch ends too: fairseq builds the batches once, with --seed + the epoch the iterator is
-created in, so a run resumed in epoch 2 used to build other batches than the uninterrupted run
+created in, so a run resumed in epoch 2 would build other batches than the uninterrupted run
 (which keeps those of epoch 1); the plug-in builds them as in epoch 1
-(multipath_nmt/checkpoint_io/).
+(multipath_nmt/fairseq_patches/batching.py).
 """
 import os
 import random

@@ -35,7 +35,7 @@ def test_install_twice_wraps_nothing_again():
 def test_train_step_is_wrapped_by_numerics_then_mixed_precision_then_ewa():
     from fairseq.trainer import Trainer
 
-    # preemption (53998de) marks the step outermost, for its all-reduce of the stop flag; the
+    # preemption marks the step outermost, for its all-reduce of the stop flag; the
     # weight casts kept over the update also serve numerics' re-run of a non-finite update;
     # out_of_memory, next to numerics, turns the out-of-memory error it lets pass into one line
     assert patches_of(Trainer.train_step) == (

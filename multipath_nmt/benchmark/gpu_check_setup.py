@@ -14,13 +14,9 @@ from multipath_nmt.benchmark.systems import System, systems_for
 # ``recipe_updates`` (K) per run, then resumed to 2K, a save and a validation every
 # ``recipe_interval`` updates, micro-batches of ``recipe_max_tokens`` (train.sh's update-freq
 # kept), ``recipe_valid_sentences`` in the valid split, each process killed after
-# ``recipe_timeout`` seconds (on the GPU 3.6 times the longest measured below: a hung process
-# must not eat the device time).
-#
-# Time on one H200 (BENCHMARKS.md, docs/gpu.md): the table, 121 s for 7 systems (at c5b0c09,
-# docs/bench/gpu-check-h200.json); the recipe leg alone, 128 s (at 57ea5f2,
-# docs/bench/gpu-check-recipe-h200.json): its longest process, multi-path 6 x 4's first bf16 run,
-# took 66 s beside the other three chains.
+# ``recipe_timeout`` seconds (on the GPU a few times the longest process of the committed recipe
+# leg, docs/bench/gpu-check-recipe-h200.json: a hung process must not eat the device time). The
+# check's times on one H200 are in docs/gpu.md.
 CHECK_SIZES = {
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, base_layers=2, decoder_layers=1,
                  max_tokens=256, mean_length=12, steps=6, warmup_steps=2, sync_steps=2,

@@ -33,8 +33,8 @@ def without_peak_resets(trainer):
     """``trainer`` with CUDA's peak-memory counter left alone: fairseq's ``Trainer.train_step``
     reads and resets it after every update while it keeps a ``cuda_env`` (for its ``gb_free``
     log line), so a peak read after a few updates held only what outlives an update (weights,
-    gradients, optimizer state: 993 MiB for the base model, ``docs/bench/gpu-bench-h200.json``
-    at 57ea5f2), never the activations."""
+    gradients, optimizer state: the base model's "transformer 6+6" row of
+    ``docs/bench/gpu-bench-h200.md``), never the activations."""
     trainer.cuda_env = None
     return trainer
 

@@ -12,8 +12,8 @@ peak = STATIC_BYTES_PER_PARAM x parameters + activation bytes per token x max-to
   fused kernels, whose memory grows with tokens, not with the square of the length, so the
   longest sentences cost what any padded tokens cost.
 * The per-layer constants are solved from two peaks measured on an H200 with fairseq's reset of
-  the peak counter switched off (``docs/bench/gpu-check-h200.json``, commit c5b0c09: the
-  pre-norm base model and multi-path 6 x 4 at 4,096 max-tokens, d 512, 32,000 types, bf16
+  the peak counter switched off (``docs/bench/gpu-check-h200.json``, which records its commit:
+  the pre-norm base model and multi-path 6 x 4 at 4,096 max-tokens, d 512, 32,000 types, bf16
   autocast). The routed families (WideNet, MoE, EWA, ParameterNet) use their own measured peaks
   from the same file, their logits moved to the data's vocabulary.
 
@@ -39,8 +39,9 @@ RESERVE_MIB = 1024
 MARGIN = 0.5
 MEASURED_VOCAB = 32000
 LOGIT_BYTES_PER_TYPE = 12
-# Solved from the two measured peaks (module docstring): base 3,931.2 MiB at 60,524,544
-# parameters, multi-path 6 x 4 5,962.7 MiB at 117,279,804, each at 4,096 max-tokens.
+# Solved from the two measured peaks (module docstring): the peak MiB and parameters of the base
+# model's and multi-path 6 x 4's rows of docs/bench/gpu-check-h200.json (tests/test_recipe.py
+# checks that they are that file's).
 _BASE_ACTIVATIONS = 3931.21142578125 * MIB - STATIC_BYTES_PER_PARAM * 60524544
 _MULTIPATH_ACTIVATIONS = 5962.7158203125 * MIB - STATIC_BYTES_PER_PARAM * 117279804
 MEASURED_MAX_TOKENS = 4096
