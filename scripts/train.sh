@@ -19,7 +19,7 @@
 # unless --max-epoch, --max-update or --stop-time-hours is given; EWA archs need --max-update),
 # epoch checkpoints (last 10 kept), checkpoint_last.pt about every 10 minutes on GPUs
 # (--save-interval-minutes M, 0 for epoch ends only; the arithmetic is in
-# multipath_nmt/recipe/commands.py), and one precision for every
+# docs/troubleshooting.md), and one precision for every
 # arch (--precision auto: --amp --bf16 on GPUs with bfloat16, --amp on older GPUs, fp32 on the
 # CPU; --precision bf16|fp16|fp32 to choose; docs/gpu.md says why).
 #   base (transformer_prenorm/transformer):  lr 0.001, 8000 warmup,  32,768 tokens per update

@@ -270,7 +270,8 @@ def test_an_arch_without_a_row_is_refused_not_given_a_recipe(arch, tmp_path):
 
 def test_the_memory_models_peaks_are_those_of_the_committed_gpu_run():
     """Every figure the GPU memory model is fitted to is a peak in docs/bench/gpu-check-h200.json
-    (the run whose commit its docstring names), at that run's micro-batch and dictionary."""
+    (the GPU check's table of 2026-11-27, docs/history.md), at that run's micro-batch and
+    dictionary."""
     import json
     from pathlib import Path
 
@@ -286,6 +287,26 @@ def test_the_memory_models_peaks_are_those_of_the_committed_gpu_run():
     assert {(3931.21142578125, 60524544), (5962.7158203125, 117279804)} <= peaks
     base = run["systems"]["stock prenorm L"]
     assert (base["peak_memory_mib"], base["params"]) == (3931.21142578125, 60524544)
+
+
+def test_the_periodic_saves_speeds_are_those_of_the_committed_gpu_run():
+    """The tokens per second that size the periodic save are medians of
+    docs/bench/gpu-bench-h200.json: the base recipe's Transformer 6+6 row and, for the deep
+    recipe, its slowest row (every row but the anchor and the base model's), rounded."""
+    import json
+    from pathlib import Path
+
+    from multipath_nmt.recipe.commands import REFERENCE_TOKENS_PER_SECOND
+
+    run = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench" /
+                      "gpu-bench-h200.json").read_text())
+    assert run["precision"] == "bf16"
+    medians = {name: row["tokens_per_s"]["median"] for name, row in run["rows"].items()}
+    deep = [m for name, m in medians.items()
+            if not name.startswith(("anchor", "transformer 6+6"))]
+    assert REFERENCE_TOKENS_PER_SECOND == {"base": round(medians["transformer 6+6"]),
+                                           "deep/multi-path": round(min(deep))}
+    assert set(REFERENCE_TOKENS_PER_SECOND) == {BASE.name, DEEP.name}
 
 
 @pytest.mark.parametrize("arch", ["transformer_prenorm_wmt_en_de", "transformer_deep24_wmt_en_de",

@@ -91,24 +91,15 @@ def training_length(arch: str, passed_on: Sequence[str]) -> Tuple[List[str], str
 
 # The periodic save: checkpoint_last.pt (and one checkpoint_E_U.pt, fairseq's way of saving
 # mid-epoch; --keep-interval-updates 1 deletes the one before) every N updates, N sized for
-# SAVE_INTERVAL_MINUTES on GPUs as fast as the committed H200 measurements
-# (docs/bench/gpu-bench-h200.json, bf16, tokens per second of one GPU): the base recipe's
-# Transformer 6+6 row, and for the deep recipe its slowest row (deep 24+6), so that no deep-recipe
-# arch saves less often. One update: base 32,768 tokens / 51,420 tokens/s = 0.64 s on one H200
-# (N = 10 x 60 / 0.64 = 940), deep 65,536 / 27,307 = 2.40 s (N = 250); on 8 GPUs 7,500 and 2,000.
-# A crash loses at most 10 minutes (plus the save) on an H200, 15 on a GPU 1.5 x slower.
-# The save costs: a checkpoint holds fp32 weights and Adam's two fp32 moments, 12 bytes a
-# parameter: 60.5M parameters (base, 32k vocabulary) 0.73 GB, 117M (deep 24+6) 1.41 GB. fairseq
-# writes checkpoint_E_U.pt and copies it to checkpoint_last.pt (and checkpoint_best.pt when the
-# validation loss improved): at most 3 writes, at an assumed 1 GB/s (a local disk) 2.2 s (base)
-# and 4.2 s (deep), 0.37% and 0.7% of 10 minutes; on a 200 MB/s network file system 1.8% and
-# 3.5% (then --save-interval-minutes 30, or --write-checkpoints-asynchronously). Each save also
-# validates (fairseq's validate_and_save validates at every save unless --disable-validation): a
-# forward pass over the valid set, e.g. newstest2013's 3,000 sentences at an assumed 30 target
-# tokens each, 90,000 tokens, about a third of the compute of as many training tokens: about one
-# base update (0.5 deep), 0.1% of a save interval; so it stays. Epoch checkpoints
-# (checkpointN.pt), which average.sh averages, are saved as before: the interval files
-# (checkpoint_E_U.pt) do not match its pattern.
+# SAVE_INTERVAL_MINUTES on GPUs as fast as the committed H200 measurements: N = minutes x 60 /
+# (tokens per update / (GPUs x one GPU's tokens per second)), rounded down to two digits. The
+# speeds are the bf16 medians of docs/bench/gpu-bench-h200.json: the base recipe's Transformer
+# 6+6 row, and for the deep recipe its slowest row (deep 24+6), so that no deep-recipe arch saves
+# less often (tests/test_recipe.py checks them against that file). A slower GPU saves less often.
+# Each save also validates (fairseq's validate_and_save), which stays: what a save and its
+# validation cost, and so what a crash loses, is worked out in docs/troubleshooting.md. The epoch
+# checkpoints (checkpointN.pt) that average.sh averages are saved at epoch ends as well: the
+# interval files (checkpoint_E_U.pt) do not match its pattern.
 SAVE_INTERVAL_MINUTES = 10.0
 REFERENCE_TOKENS_PER_SECOND = {"base": 51_420, "deep/multi-path": 27_307}
 
@@ -143,8 +134,8 @@ def periodic_save(recipe_name: str, tokens_per_update: int, gpus: int, passed_on
     every = _two_digits(minutes * 60 / update_seconds)
     return (["--save-interval-updates", str(every), "--keep-interval-updates", "1"],
             f"periodic save: checkpoint_last.pt every {every:,} updates, about {minutes:g} "
-            f"minutes at an H200's speed ({update_seconds:.3g} s an update; multipath_nmt/recipe/"
-            f"commands.py has the arithmetic), one checkpoint_E_U.pt kept; the epoch checkpoints "
+            f"minutes at an H200's speed ({update_seconds:.3g} s an update; docs/troubleshooting.md "
+            f"has the arithmetic), one checkpoint_E_U.pt kept; the epoch checkpoints "
             f"that average.sh averages are unchanged")
 
 
