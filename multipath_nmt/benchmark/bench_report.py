@@ -1,4 +1,4 @@
-"""The report of ``multipath-bench``: the targets of the benchmark issue as measured ratios, and
+"""The report of ``multipath-bench``: its targets (BENCHMARKS.md) as measured ratios, and
 the result as bench.json, bench.md (a markdown table) and bench.png (tokens/s and MFU per system),
 each written atomically."""
 import importlib.metadata
@@ -67,7 +67,7 @@ def _ratio(result, name, other, key="tokens_per_s"):
 
 
 def evaluate_targets(result):
-    """The targets of the benchmark issue, as measured ratios from this one run."""
+    """The targets (BENCHMARKS.md's CPU table), as measured ratios from this one run."""
     rows = []
 
     def target(number, text, value, threshold, higher_is_better=True):

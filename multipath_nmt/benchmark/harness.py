@@ -144,8 +144,8 @@ def run(size_name="default", device="cpu", precision="fp32", only=None, memory=T
 # The host's floor: each system at this shape (the size's layers, d 16, 2 sentences of 8 tokens)
 # does almost no arithmetic per kernel, so an update's time is the host's own work (Python,
 # fairseq's trainer, autograd, the dispatcher): the pace a GPU cannot beat once the host sets it.
-# On one thread: with 2, OpenMP's start of each tiny op doubled the time on this machine, a cost
-# a GPU's host thread does not pay. ``check_dim``: stock timed again at half the width; about
+# On one thread: with more, OpenMP's start of each tiny op adds to every kernel a cost that a
+# GPU's host thread does not pay. ``check_dim``: stock timed again at half the width; about
 # the same time says the kernels cost nearly nothing at d 16.
 HOST_FLOOR = dict(dim=16, ffn=32, heads=2, batch=2, length=8, warmup=3, windows=7,
                   window_seconds=0.5, check_dim=8, threads=1)

@@ -18,9 +18,9 @@ def keep_freed_memory():
     """Serve large CPU tensors from the heap instead of a fresh mmap per allocation.
 
     glibc maps every allocation above its mmap threshold (at most 32 MiB by default) anew, so
-    each training step page-faults its large activations and gradients in again: at the default
-    size that was 13% of a stock fairseq step and 47% of a dynamic ParameterNet step (the harness
-    times all systems this way, like a long-running trainer's warm allocator). Returns whether
+    each training step page-faults its large activations and gradients in again, a share of the
+    step that grows with the activations (the harness times all systems this way, like a
+    long-running trainer's warm allocator). Returns whether
     it applied (glibc only; CUDA memory is unaffected)."""
     try:
         libc = ctypes.CDLL("libc.so.6")

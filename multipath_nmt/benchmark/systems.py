@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 # Shared by every system of one size: the decoder is the same everywhere, so differences come
 # from the encoders the papers compare. A training measurement runs at least ``steps`` steps and
 # at least ``measure_seconds`` of the benchmark clock, so fast systems are not timed over shorter
-# windows than slow ones (3 steps of the smallest model spread by 17-34% min to max here, those
-# of the largest by 13-14%).
+# windows than slow ones (a few steps of a small model spread more, min to max, than those of a
+# large one).
 SIZES = {
     "tiny": dict(dim=64, ffn=256, heads=4, vocab=1000, batch=8, length=12, base_layers=2,
                  repeats=2, steps=1, measure_seconds=0.0, beam_sentences=4),

@@ -3,11 +3,10 @@
 fairseq's ``--optimizer adam`` (without apex) updates one tensor at a time with about seven
 elementwise passes over it (moments, square root, eps, step). PyTorch's fused Adam (CPU since
 torch 2.4, CUDA) reads parameter, gradient and both moments once and writes them once, for a
-whole list of tensors per call: the update of the 24-layer baseline at ``multipath-bench``'s
-default size took 31 ms instead of 82 ms on one CPU thread (``python -m
-multipath_nmt.benchmark.update_timing``). Its multi-tensor ``foreach`` form, one kernel per pass over
-all tensors, took 106 ms, slower than fairseq's loop (each pass streams every parameter through
-memory again); it is used only on devices without a fused kernel.
+whole list of tensors per call, so the update takes a fraction of fairseq's time (``python -m
+multipath_nmt.benchmark.update_timing`` times both). Its multi-tensor ``foreach`` form, one kernel
+per pass over all tensors, is slower than fairseq's loop on the CPU (each pass streams every
+parameter through memory again); it is used only on devices without a fused kernel.
 
 The update is fairseq's (``fairseq.optim.adam.Adam``: Kingma & Ba 2015, Algorithm 1, with
 Loshchilov & Hutter's decoupled weight decay, i.e. AdamW):
