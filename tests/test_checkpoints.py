@@ -554,8 +554,8 @@ def test_a_background_write_that_fails_once_is_written_again_by_the_next_submit(
         tmp_path, monkeypatch, caplog):
     """One path of a job fails once (EIO): the job still writes its other paths, the failure is
     one error line at once, and the next submit writes the failed path again from the same bytes
-    before queueing its own: no save lost, no error raised. It used to stop the job's other
-    paths and raise at the next save, ending the run."""
+    before queueing its own: no save lost, no error raised. A failed path must neither stop the
+    job's other paths nor raise at the next save, which would end the run."""
     import errno
 
     from multipath_nmt import atomic_files

@@ -130,7 +130,8 @@ def test_the_work_dir_lock_dies_with_its_holder_though_a_forked_child_lives(tmp_
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
         assert _alive(child)
-        _lock_is_free(work / WORK_DIR_LOCK)  # refused, naming the dead holder, before the fix
+        # a lock the child kept would refuse this, naming the dead holder
+        _lock_is_free(work / WORK_DIR_LOCK)
         assert _alive(child)  # so the lock was free while the child lived
     finally:
         release.touch()
@@ -169,8 +170,9 @@ def test_a_forked_child_forgets_the_lock_and_cannot_remove_its_file(tmp_path):
 def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_bin, tmp_path):
     """fairseq-train with its default data loading (one forked worker) and validation, killed
     with SIGKILL: its data-loader worker, which lives on a few seconds, holds no descriptor of
-    the save dir's lock, and the same command run again at once is not refused. Its workers
-    used to keep the lock (~5 s) and the rerun was refused, naming the dead process."""
+    the save dir's lock, and the same command run again at once is not refused. A worker that
+    kept the lock would hold it those seconds, and the rerun would be refused, naming the dead
+    process."""
     save = tmp_path / "ckpt"
     command = default_train_command(toy_data_bin, save, "--max-update", 100000)
     first = start_command(command)
@@ -242,9 +244,9 @@ class _BecameFairseqTrain(Exception):
 def test_train_sh_on_a_save_dir_in_use_is_refused_in_one_line_and_writes_nothing(
         toy_data_bin, tmp_path, monkeypatch):
     """Another run holds the save dir (here this process, as a run's rank 0 would): train.sh
-    stops in one line naming it before it starts anything, and the save dir is unchanged. It
-    used to rewrite train-sh-batch.json first, with its own micro-batch, and the first run's own
-    command then could not continue its epoch."""
+    stops in one line naming it before it starts anything, and the save dir is unchanged: were it
+    to rewrite train-sh-batch.json first, with its own micro-batch, the first run's own command
+    could not continue its epoch."""
     import socket
 
     save = tmp_path / "ckpt"
@@ -290,8 +292,8 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
     """train.sh with fairseq's default data loading and validation, saving every 2 updates; a
     second train.sh on its save dir with another micro-batch (--max-tokens 40), while the first
     holds it, is refused in one line and changes no file; the first run, killed, resumes with
-    its own command. The refused run used to overwrite train-sh-batch.json, and the resume
-    stopped with "cannot continue epoch 1 where the checkpoint stopped"."""
+    its own command. Were the refused run to overwrite train-sh-batch.json, the resume would stop
+    with "cannot continue epoch 1 where the checkpoint stopped"."""
     save = tmp_path / "ckpt"
     python = script_python()  # asked for before the first command holds the server
 

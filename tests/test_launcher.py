@@ -201,8 +201,8 @@ def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
 def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_path):
     """train.sh's periodic save (sized in minutes; here 0.001 so that the toy batches, 800 tokens
     on 2 ranks, come to 7 updates) writes checkpoint_last.pt within the epoch (19 updates) and
-    keeps one checkpoint_E_U.pt: a SIGKILL after it loses only the updates since. The recipe
-    used to save at epoch ends only."""
+    keeps one checkpoint_E_U.pt: a SIGKILL after it loses only the updates since (fairseq's
+    default saves at epoch ends only)."""
     save = tmp_path / "ckpt"
     output = run_until_killed([*train_sh(toy_data_bin, save, "baseline"),
                                "--save-interval-minutes", "0.001"], 9, timeout=TIMEOUT)
@@ -228,7 +228,8 @@ def _alive(pid):
 def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_path):
     """kill -9 of train.sh on 2 ranks, with fairseq's default data loading (one worker each) and
     validation: both workers end at once (their parent's death kills them), and the same command
-    run again is not refused. They used to train on with no parent, rank 0 holding the save dir.
+    run again is not refused. Workers that outlived it would train on with no parent, rank 0
+    holding the save dir.
     Real processes, not the suite's forked ones (whose server kills a killed command's tree
     itself): PYTHON is this interpreter, torchrun starts its workers with it."""
     flags = [str(flag) for flag in SHORT_RUN]

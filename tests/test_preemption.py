@@ -153,8 +153,8 @@ def test_the_stop_names_the_files_it_wrote(toy_data_bin, tmp_path):
     """--write-checkpoints-asynchronously --save-interval-updates 1: fairseq has just saved the
     update the signal stops after, so the stop saves nothing more; its line names the files
     that save wrote (checkpoint_1_N.pt, and checkpoint_last.pt written from the same bytes), each
-    complete and at that update. It used to name a checkpoint_last.pt that had not been written
-    (fairseq's asynchronous mode copied nothing)."""
+    complete and at that update, never a checkpoint_last.pt that was not written (fairseq's own
+    asynchronous mode copies nothing to it)."""
     save = tmp_path / "stopped"
     command = train_command(toy_data_bin, save, "baseline", *FLAGS, "--save-interval-updates", 1,
                             "--keep-interval-updates", 2, "--write-checkpoints-asynchronously")
@@ -182,8 +182,8 @@ def _syncs_per_update(toy_data_bin, save_dir, patches):
 def test_the_stop_decision_adds_no_host_sync_per_update(toy_data_bin, tmp_path):
     """Two ranks: every update makes exactly the host syncs it makes without the preemption patch
     (MULTIPATH_NMT_PATCHES=-preemption), counted by HostSyncCounter over train_step and
-    validate_and_save. The flag rides in fairseq's own all-reduce of its statistics; the patch
-    used to add a host-to-device copy, a collective and an .item() per update on every rank.
+    validate_and_save. The flag rides in fairseq's own all-reduce of its statistics; a flag of its
+    own would add a host-to-device copy, a collective and an .item() per update on every rank.
     That one rank's signal still stops both after the same update:
     test_two_ranks_stop_after_the_same_update_when_one_is_signalled."""
     patched = _syncs_per_update(toy_data_bin, tmp_path / "patched", "on")
@@ -210,9 +210,9 @@ def test_sigterm_after_a_failed_asynchronous_write_saves_and_exits_143(toy_data_
     """--write-checkpoints-asynchronously: the background write of checkpoint_last.pt at update 4
     fails once (EIO), then SIGTERM. The failure is one line at once; the save's other file is
     still written; the log says "Saved" only for files written; the stop writes
-    checkpoint_last.pt at the update it stopped after and exits 143. The failed write used to stop
-    the rest of its save (checkpoint_1_4.pt too, though logged as saved) and the stop re-raised
-    its error: exit 1, nothing on disk."""
+    checkpoint_last.pt at the update it stopped after and exits 143. The failed write must not
+    stop the rest of its save (checkpoint_1_4.pt, logged as saved), nor the stop re-raise its
+    error (exit 1, nothing on disk)."""
     save = tmp_path / "stopped"
     command = [sys.executable, str(FAILING_WRITE),
                *train_command(toy_data_bin, save, "baseline", *FLAGS, "--save-interval-updates", 4,
