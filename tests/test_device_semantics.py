@@ -288,8 +288,8 @@ def run_case(system, dtype_name, padded):
 
 
 def self_check():
-    """What the harness must catch: a CPU-made index meeting device rows (EWA's partition before
-    issue 29), and an output shape that depends on values (a host sync)."""
+    """What the harness must catch: a CPU-made index meeting device rows (as an EWA partition
+    drawn on the CPU would), and an output shape that depends on values (a host sync)."""
 
     caught = []
     with ReplayingFakeTensorMode([]):

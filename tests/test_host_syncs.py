@@ -125,8 +125,8 @@ HOST_TO_DEVICE = [
 @pytest.mark.parametrize("name,function,factory", HOST_TO_DEVICE,
                          ids=[case[0] for case in HOST_TO_DEVICE])
 def test_factory_copies_from_the_host_to_a_device_count_once(name, function, factory):
-    """Issue 29: ``torch.tensor(n, device=x.device)`` is a blocking host-to-device copy on a GPU,
-    below PyTorch's Python dispatch (before, nothing counted it)."""
+    """``torch.tensor(n, device=x.device)`` is a blocking host-to-device copy on a GPU, below
+    PyTorch's Python dispatch, and the counter counts it."""
     with HostSyncCounter() as syncs:
         function()
     assert syncs.by_op == {f"{factory} (host to device)": 1}
@@ -244,8 +244,8 @@ def padded_and_unpadded_syncs(data, system):
 @pytest.mark.parametrize("system", ROUTED)
 def test_routed_models_add_at_most_two_syncs_to_the_stock_transformers(toy_data_bin, system,
                                                                        padded):
-    """Issue 29: counting host-to-device copies too (MoE's ``torch.tensor(num_tokens,
-    device=x.device)`` made one per routing call without padding), a routed model makes at most
+    """Counting host-to-device copies too (a ``torch.tensor(num_tokens, device=x.device)`` in
+    MoE's routing would make one per routing call without padding), a routed model makes at most
     2 host syncs per micro-batch more than the stock pre-norm transformer of its depth, with
     and without source padding (the F.one_hot range check of the CPU kernel is not counted: its
     CUDA kernel has none), and none of its syncs is the plug-in's: those left are fairseq's

@@ -219,9 +219,9 @@ def _translate(model, sample, beam):
 
 
 def test_beam_1_after_beam_4_decodes_as_a_fresh_model():
-    """Issue 29: fairseq tells the model its beam size only for beams > 1
-    (EnsembleModel.set_decoder_beam_size), so a model that had decoded with beam 4 kept grouping
-    the rows of a beam-1 search by 4 and treated 4 sentences as one sentence's beams."""
+    """fairseq tells the model its beam size only for beams > 1
+    (EnsembleModel.set_decoder_beam_size), so a model that has decoded with beam 4 must not keep
+    grouping the rows of a beam-1 search by 4, treating 4 sentences as one sentence's beams."""
     model = _perturbed_paths_model(0.3)
     fresh = copy.deepcopy(model)
     pad = model.encoder.padding_idx

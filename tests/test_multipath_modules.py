@@ -313,7 +313,7 @@ def _kernels_of_training_step(module, *inputs, autocast=False):
 @pytest.mark.parametrize("autocast,plain_layer,cheap_layer", [(False, 83, 89), (True, 114, 120)])
 def test_cheap_features_add_at_most_a_tenth_to_the_kernel_launches(autocast, plain_layer,
                                                                    cheap_layer):
-    # The target: cheap features cost at most 1.1x the kernel launches of the same
+    # The target: cheap features cost at most 1.1x the kernel launches of the same
     # multi-path model without them. _NormalizedSum normalizes every feature with one LayerNorm
     # kernel, so cheap features add three kernels per PathMixer whatever n is: the copy of the
     # paths into the [2n, N, d] features and the matrix product that forms the cheap features
