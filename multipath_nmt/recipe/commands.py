@@ -96,6 +96,9 @@ def training_length(arch: str, passed_on: Sequence[str]) -> Tuple[List[str], str
 # speeds are the bf16 medians of docs/bench/gpu-bench-h200.json: the base recipe's Transformer
 # 6+6 row, and for the deep recipe its slowest row (deep 24+6), so that no deep-recipe arch saves
 # less often (tests/test_recipe.py checks them against that file). A slower GPU saves less often.
+# Those rows ran 4,096-token micro-batches, 2 per update, while train.sh on one card now runs one
+# micro-batch of 32k (base) or 65k (deep) tokens per update: "about 10 minutes" assumes the same
+# tokens per second there, which no committed row measures yet (gpu-bench.sh's one-card rows do).
 # Each save also validates (fairseq's validate_and_save), which stays: what a save and its
 # validation cost, and so what a crash loses, is worked out in docs/troubleshooting.md. The epoch
 # checkpoints (checkpointN.pt) that average.sh averages are saved at epoch ends as well: the
