@@ -70,8 +70,19 @@ def test_wrap_keeps_static_and_class_methods_and_marks_each_patch():
     assert Owner.made_by() == ("named", Owner)
 
 
+def _every_wrap_table():
+    """The rows of docs/patches.md's "Every wrap" table, the one home of that list: (module,
+    what is patched, the rest of the row)."""
+    doc = (TESTS.parent / "docs" / "patches.md").read_text()
+    section = doc[doc.index("## Every wrap"):doc.index("### Why each is a wrap")]
+    rows = re.findall(r"^\| `(\w+)` \| (.*?) \| (.*) \|$", section, re.M)
+    assert rows, "no rows in docs/patches.md's Every wrap table"
+    return section, rows
+
+
 def test_the_table_names_tests_that_exist():
-    named = re.findall(r"tests/(test_\w+\.py)::(test_\w+)", fairseq_patches.__doc__)
+    section, _ = _every_wrap_table()
+    named = re.findall(r"tests/(test_\w+\.py)::(test_\w+)", section)
     assert len(named) >= 20
     for file, test in named:
         source = (TESTS / file).read_text()
@@ -79,9 +90,47 @@ def test_the_table_names_tests_that_exist():
 
 
 def test_the_table_lists_every_patch_module():
-    for module in fairseq_patches.MODULES:
-        short = module.__name__.rsplit(".", 1)[1]
-        assert re.search(rf"^{short}  ", fairseq_patches.__doc__, re.M), short
+    _, rows = _every_wrap_table()
+    assert {module for module, _, _ in rows} == set(fairseq_patches.NAMES)
+
+
+def _every_wrap(monkeypatch):
+    """(module, target) of every wrap install() makes in a fresh process without apex: what
+    every module's install() asks for under planning() (grad_norm as without apex)."""
+    from fairseq import utils
+
+    import fairseq_cli.train  # noqa: F401  (preemption and save_dirs wrap it where it is loaded)
+    from multipath_nmt.fairseq_patches import grad_norm
+    from multipath_nmt.fairseq_patches.wrapping import planning
+
+    monkeypatch.setattr(utils, "multi_tensor_l2norm_available", False)
+    monkeypatch.setattr(grad_norm, "foreach_takes_dtype", lambda: True)
+    with planning() as plan:
+        for module in fairseq_patches.MODULES:
+            module.install()
+    return [(module, target) for module, target, _ in plan]
+
+
+def test_every_wrap_has_its_row_in_the_table_and_the_counts_are_the_docs(monkeypatch):
+    """Each wrap the code makes is named in a row of its module (docs/patches.md, "Every wrap"),
+    each attribute a row names is wrapped by that module, and the counts the page gives are the
+    code's."""
+    wraps = _every_wrap(monkeypatch)
+    section, rows = _every_wrap_table()
+    named = {(module, target) for module, patched, _ in rows
+             for target in re.findall(r"`([\w.]+)`", patched)}
+    assert sorted(set(wraps) - named) == []
+    # what a row names that is no wrap: torch_compat's allow-list, grad_norm's flag
+    assert named - set(wraps) == {("torch_compat", "torch.serialization"),
+                                  ("grad_norm", "utils.multi_tensor_l2norm_available")}
+    trainer = [target for _, target in wraps if target.startswith("Trainer.")]
+    private = {target for _, target in wraps if target.rsplit(".", 1)[1].startswith("_")
+               and not target.endswith(".__init__")}
+    hooks = [target for _, target in wraps if target == "sys.excepthook"]
+    assert (f"makes {len(wraps)} wraps of {len({t for _, t in wraps})} attributes: "
+            f"{len(trainer)} of them wrap `Trainer` ({len(set(trainer))} of its methods), "
+            f"{len(hooks)} `sys.excepthook`, and {len(private)} targets are private") \
+        in " ".join(section.split())
 
 
 # The values of MULTIPATH_NMT_PATCHES the tests below look at, all probed by one process.
