@@ -20,9 +20,9 @@ A refusal is an exception (a notebook or a user's script can catch it and sees a
 for the other errors of the plug-in); in a command-line tool its one line is all that is printed
 (:func:`one_line_excepthook`, put in place just before the refusal is raised), with status 1.
 Not ``sys.exit``: an import that exits would end a notebook's kernel or a test run's collection.
-The version is told by distribution and version rather than by fairseq's version alone because
-two builds of fairseq's main branch, unreleased, carry no other name; ``fairseq.__version__``
-(0.12.3.1, 0.12.3) is checked with it, since it is what the imported code says of itself.
+A build is told by its distribution's name and by ``fairseq.__version__`` (what the imported
+code says of itself: 0.12.3.1, 0.12.3): both known builds are of fairseq's unreleased main
+branch, which no fairseq release number names, and a version alone could be anyone's fork.
 """
 import contextlib
 import importlib.metadata
