@@ -51,7 +51,7 @@ def main(argv=None):
     gpu_bench.write_reports(result, args.out)
     print(gpu_bench.markdown_report(result))
     print(f"wrote {args.out}/gpu-bench.json and gpu-bench.md", file=sys.stderr)
-    return 3 if any("error" in row for row in result["rows"].values()) else 0
+    return gpu_bench.exit_status(result)
 
 
 if __name__ == "__main__":
