@@ -86,3 +86,12 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .venv-onnx work results
+
+# `make gpu-carry`: .gpu-carry/, what a bare GPU machine (a CUDA torch, no network, no fairseq)
+# needs to install fairseq and the GPU tools' dependencies offline, for the device tool's carry
+# (scripts/gpu-carry.sh, scripts/gpu-carry-install.sh, docs/gpu.md). It needs an index here.
+# A fairseq wheel missing from pip's cache is built with GPU_CARRY_BUILD_PYTHON_3_12 / _3_13.
+# It runs pip of the venv's Python (or PYTHON's), and leaves the venv as it is.
+.PHONY: gpu-carry
+gpu-carry:
+	PYTHON=$(VENV_PYTHON) bash scripts/gpu-carry.sh --out .gpu-carry

@@ -29,7 +29,9 @@
 # Time on one H200 (docs/gpu.md): the table 121 s, the recipe leg 128 s.
 # Exit status: 0 when every system passed, 3 when one failed to run or failed a check (check.md
 # says which and why), anything else when the check did not run. The last line says how long it
-# took. PYTHON selects the interpreter that has multipath_nmt installed (default: python).
+# took. PYTHON selects the interpreter (default: python); where it has no fairseq (a bare GPU
+# machine), fairseq is installed offline from .gpu-carry/ (make gpu-carry;
+# scripts/gpu-carry-install.sh).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/usage.sh"
 python=${PYTHON:-python}
@@ -48,6 +50,8 @@ if [ "$device" = cuda ] && ! "$python" -c 'import sys, torch; sys.exit(not torch
     echo "gpu-check.sh: no CUDA device is visible to PyTorch ($python); run it on a GPU machine" >&2
     exit 1
 fi
+# a bare GPU machine: fairseq from .gpu-carry/ (make gpu-carry), offline
+source "$(dirname "${BASH_SOURCE[0]}")/gpu-carry-install.sh"
 status=0
 "$python" -m multipath_nmt.cli.gpu_check --out "$out" "${args[@]}" || status=$?
 # 3: the check ran and some system failed (the report says which); anything else: it did not run
