@@ -21,7 +21,7 @@ import pytest
 from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_command, run_fairseq, script_python,
                       start_command)
 from helpers.preloaded_python import kill_tree, process_tree
-from helpers.signals import run_and_signal
+from helpers.signals import alive, run_and_signal
 from helpers.training import MODELS, SMALL_BATCHES, UPDATE_LOGGED, load_model_state, stop
 
 from multipath_nmt.fairseq_patches.save_dirs import LOCK
@@ -50,21 +50,13 @@ def default_train_command(data, save_dir, *extra):
             str(USER_DIR), *map(str, extra)]
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_until_gone(pids, timeout=120):
     """Wait (polling) until none of ``pids`` runs; SIGKILL those left after ``timeout`` s.
     Returns those that had to be killed."""
     deadline = time.monotonic() + timeout
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    left = [pid for pid in pids if _alive(pid)]
+    left = [pid for pid in pids if alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     return left
@@ -129,10 +121,10 @@ def test_the_work_dir_lock_dies_with_its_holder_though_a_forked_child_lives(tmp_
         assert not _open_on(child, work / WORK_DIR_LOCK)
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-        assert _alive(child)
+        assert alive(child)
         # a lock the child kept would refuse this, naming the dead holder
         _lock_is_free(work / WORK_DIR_LOCK)
-        assert _alive(child)  # so the lock was free while the child lived
+        assert alive(child)  # so the lock was free while the child lived
     finally:
         release.touch()
         if child is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY_MODEL, run_command, script_env, script_python, start_command
-from helpers.signals import run_and_signal, worker_of_rank
+from helpers.signals import alive, run_and_signal, worker_of_rank
 from helpers.training import (UPDATE_LOGGED, _fail, assert_same_final_model, free_port, kill_tree,
                               load_model_state, run, run_until_killed, stop)
 
@@ -217,14 +217,6 @@ def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_p
                                                      "train-sh-batch.json"]
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-
-
 def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_path):
     """kill -9 of train.sh on 2 ranks, with fairseq's default data loading (one worker each) and
     validation: both workers end at once (their parent's death kills them), and the same command
@@ -257,12 +249,12 @@ def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 60  # they go within milliseconds
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
+        while any(map(alive, workers)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(map(_alive, workers)), "the workers train on without train.sh"
+        assert not any(map(alive, workers)), "the workers train on without train.sh"
     finally:
         watchdog.cancel()
-        for pid in filter(_alive, workers):
+        for pid in filter(alive, workers):
             os.kill(pid, signal.SIGKILL)
         stop(proc)
     code, output = run_and_signal(command, 1, signal.SIGTERM, timeout=TIMEOUT)

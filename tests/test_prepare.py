@@ -20,6 +20,7 @@ import threading
 import pytest
 from conftest import ROOT, clean_env, run_cli, script_env, script_python, start_command
 from helpers.preloaded_python import kill_tree, process_tree
+from helpers.signals import alive
 from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
@@ -1009,7 +1010,7 @@ def _run_and_kill(command, stage_label=None, delay=0.0, timeout=300):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    while _alive(proc.pid):
+    while alive(proc.pid):
         if kill_at and time.monotonic() >= kill_at[0]:
             os.kill(proc.pid, signal.SIGKILL)
             break
@@ -1055,14 +1056,6 @@ time.sleep(30)
 """
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("tethered", [True, False], ids=["tethered", "untethered"])
 def test_a_parent_killed_with_sigkill_takes_its_tethered_children_and_grandchildren_along(tethered):
     """tether_children(): once the parent is killed with SIGKILL (nothing is sent to the others),
@@ -1077,11 +1070,11 @@ def test_a_parent_killed_with_sigkill_takes_its_tethered_children_and_grandchild
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 1
-        while any(map(_alive, family)) and time.monotonic() < deadline:
+        while any(map(alive, family)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert [_alive(pid) for pid in family] == [not tethered] * 2
+        assert [alive(pid) for pid in family] == [not tethered] * 2
     finally:
-        for pid in filter(_alive, family):
+        for pid in filter(alive, family):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -8,6 +8,15 @@ from helpers.preloaded_python import process_tree
 from helpers.training import UPDATE_LOGGED, _fail, kill_tree, stop
 
 
+def alive(pid):
+    """Whether the process ``pid`` runs (not ended, nor a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
 def worker_of_rank(pid, rank):
     """The topmost process below ``pid`` whose environment says RANK=``rank`` (torchrun's worker)."""
     for member in process_tree(pid)[1:]:
