@@ -138,6 +138,9 @@ def test_the_cli_exits_4_when_the_budget_left_rows_unstarted(tmp_path):
     assert status == gpu_bench.EXIT_NOT_RUN == 4
     row = json.loads((tmp_path / "gpu-bench.json").read_text())["rows"][gpu_bench.ANCHOR]
     assert row["not_run"] and row["error"].startswith("not run: ")
+    # the loss check past 2^31 elements (at the tiny size: small) runs after the rows, always
+    check = json.loads((tmp_path / "gpu-bench.json").read_text())["loss_past_int32"]
+    assert check["relative_difference"] < 1e-6 and check["tokens"] == 256
 
 
 def test_flops_are_counted_on_at_most_the_sizes_micro_batch():
@@ -226,8 +229,9 @@ def test_the_profile_names_what_limits_an_update():
         "loss over the vocabulary"
     assert profile.category("void pytorch_flash::flash_fwd_kernel<>") == "attention"
     assert profile.category("void at::native::vectorized_elementwise_kernel<4>") == "elementwise"
-    text = profile.markdown({"toy": summary})
+    text = profile.markdown({"toy": summary, "failed": {"error": "RuntimeError: no CUPTI"}})
     assert "## toy" in text and "| loss over the vocabulary | " in text
+    assert "## failed\n\nThe profile failed: RuntimeError: no CUPTI" in text
 
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,9 @@ def markdown(rows):
     """The profiled rows' summaries (``{row name: profile_updates(...)}``) as markdown."""
     lines = ["# What limits MFU: torch.profiler over whole training updates", ""]
     for name, p in rows.items():
+        if "error" in p:
+            lines += [f"## {name}", "", f"The profile failed: {p['error']}", ""]
+            continue
         busy = p["busy_share_of_wall"]
         launches = p["kernel_launches_per_update"]
         lines += [
