@@ -3,13 +3,19 @@
 # .gpu-carry/ (`make gpu-carry`, carried by the device tool; docs/gpu.md) with --no-index and
 # --no-deps into GPU_CARRY_SITE (default /tmp/multipath-nmt-site), only the requirements that
 # $python lacks, and put that folder and the checkout on PYTHONPATH (the rows' processes inherit
-# it). Where fairseq imports already, nothing is done. GPU_CARRY_CHECK: the import that proves the
+# it). Where fairseq is found already, nothing is done. GPU_CARRY_CHECK: the import that proves the
 # install (default: fairseq and multipath_nmt).
 carry_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if ! "$python" -c 'import multipath_nmt' 2>/dev/null; then
+carry_finds() {  # whether $python finds top-level module $1 from any folder: found, not imported
+    # (fairseq's import takes seconds), the current folder left out of the search
+    "$python" -c 'import importlib.util, os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+sys.exit(importlib.util.find_spec(sys.argv[1]) is None)' "$1" 2>/dev/null
+}
+if ! carry_finds multipath_nmt; then
     export PYTHONPATH="$carry_root${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! "$python" -c 'import fairseq' 2>/dev/null; then
+if ! carry_finds fairseq; then
     carry=${GPU_CARRY:-$carry_root/.gpu-carry}
     if [ ! -f "$carry/requirements.txt" ]; then
         echo "$(basename "$0"): $python has no fairseq and $carry has no wheels: run" \

@@ -327,6 +327,8 @@ def test_cpu_proxies_point_where_the_targets_ask(tiny_bench):
     assert f"| kernel launches per update, {gpu_bench.MULTIPATH} vs {gpu_bench.DEEP} |" in report
     assert "| row | process_start | build | flops | first_update | warmup | timed_windows |" \
         in report
+    # every row's phases, though the first row (the anchor) neither profiles nor decodes
+    assert "| syncs_and_launches | profile | beam | row total |" in report
     # a compiled row reports no counts: the counters would have seen its eager layers
     compiled_name = gpu_bench.BASE + gpu_bench.ONE_CARD + gpu_bench.COMPILED
     compiled = rows[compiled_name]

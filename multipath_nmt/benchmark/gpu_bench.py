@@ -666,7 +666,7 @@ def markdown_report(result):
         lines.append(f"| {text} | {value:.3f} | {needed} | {'yes' if met else '**no**'} |")
     phased = {n: r["phases_s"] for n, r in result["rows"].items() if "phases_s" in r}
     if phased:
-        names = list(next(iter(phased.values())))
+        names = list(dict.fromkeys(k for p in phased.values() for k in p))  # every row's
         lines += ["", "Where each row's seconds went (its process; the timed windows are one "
                   "phase):", "", "| row | " + " | ".join(names) + " | row total |",
                   "|---|" + "---|" * (len(names) + 1)]

@@ -13,8 +13,9 @@ def build_parser():
     parser.add_argument("--out", default="results/gpu-bench",
                         help="folder for gpu-bench.json and gpu-bench.md")
     parser.add_argument("--size", choices=sorted(gpu_bench.SIZES), default="gpu",
-                        help="'gpu' (d 512, 6+6 layers, 2 x 4096-token micro-batches per update) "
-                             "is the benchmark; 'tiny' runs the same code in seconds (tests)")
+                        help="'gpu' (d 512, 6+6 layers; 4096-token micro-batches, 2 per update, "
+                             "and train.sh's one-card micro-batch) is the benchmark; 'tiny' runs "
+                             "the same code in seconds (tests)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu shows the report's form (no memory column; the anchor in fp32)")
     parser.add_argument("--precision", choices=["auto", *recipe.PRECISIONS], default="auto",
