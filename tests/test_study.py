@@ -144,6 +144,16 @@ def test_missing_data_and_unknown_systems_are_refused(tmp_path):
         study.select_systems("base,deeper")
 
 
+def test_under_a_time_budget_ewa_takes_its_length_from_the_base_models_run(capsys):
+    """EWA's linear schedule needs --max-update: under a time budget it is the base model's
+    update count, so the base model joins the study."""
+    systems = study.select_systems("ewa", study.Budget(minutes=0.05))
+    assert [s.name for s in systems] == ["base", "ewa"]
+    assert "ewa takes its --max-update from the base model's run: adding base" in \
+        capsys.readouterr().out
+    assert [s.name for s in study.select_systems("ewa", study.Budget(updates=4))] == ["ewa"]
+
+
 def _model_counts(checkpoint):
     """Total and active parameters of a trained checkpoint, counted on the loaded model."""
     from fairseq import checkpoint_utils
@@ -155,15 +165,14 @@ def _model_counts(checkpoint):
 def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     work, results = tmp_path / "work", tmp_path / "results"
     args = [STUDY_SH, "--data", multi30k, "--work", work, "--results", results,
-            "--systems", "ewa", "--budget-minutes", "0.05", "--max-train-lines", "40",
+            "--systems", "base,ewa", "--budget-updates", "4", "--max-train-lines", "40",
             "--max-eval-lines", "20"]
     env = script_env()
-    first = run_cli(args, env=env, timeout=300)
-    assert "ewa takes its --max-update from the base model's run: adding base" in first.stdout
+    run_cli(args, env=env, timeout=300)
 
     report = json.loads((results / "study.json").read_text())
     assert [s["system"] for s in report["systems"]] == ["base", "ewa"]
-    assert report["config"]["budget_minutes"] == 0.05
+    assert (report["config"]["budget_minutes"], report["config"]["budget_updates"]) == (None, 4)
     dict_size = report["config"]["dict_size"]
     for summary in report["systems"]:
         (run,) = summary["runs"]
@@ -177,7 +186,7 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
         assert (summary["params"], summary["active_params"]) == (counts["total"],
                                                                  counts["active"])
         # ... and those of the model in the checkpoints the study trained and tested
-        run_dir = work / "train40-eval20" / "runs-0.05min" / summary["system"] / "seed1"
+        run_dir = work / "train40-eval20" / "runs-4updates" / summary["system"] / "seed1"
         trained = _model_counts(run_dir / "checkpoints" / "checkpoint_last.pt")
         assert (trained["total"], trained["active"]) == (counts["total"], counts["active"])
         # averaged: the final partial epoch (checkpoint_last.pt) when the budget ran out inside
@@ -189,8 +198,9 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     base, ewa = (s["runs"][0] for s in report["systems"])
     # EWA shares the base model's update count as its schedule length and is tested folded:
     # the dense model has exactly the EWA model's active parameters, the base model's size
-    assert f"--max-update {base['updates']}" in (work / "train40-eval20" / "runs-0.05min" /
-                                                 "ewa" / "seed1" / "train.log").read_text()
+    assert base["updates"] == ewa["updates"] == 4
+    assert "--max-update 4" in (work / "train40-eval20" / "runs-4updates" / "ewa" / "seed1" /
+                                "train.log").read_text()
     assert ewa["test_checkpoint"].endswith("checkpoint_avg_dense.pt")
     dense = _model_counts(ewa["test_checkpoint"])
     assert dense["total"] == dense["active"] == report["systems"][1]["active_params"] \
@@ -204,8 +214,10 @@ def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
         cells = [c.strip() for c in row.strip("|").split("|")]
         run = summary["runs"][0]
         assert float(cells.pop(13)) == pytest.approx(run["test_chrf"], abs=0.005)  # test chrF
-        # no validation in a time budget, no deep model to compare with
-        assert cells[7:10] == ["-", "-", "-"] and cells[13:] == ["-", "-"]
+        # validated every update (the budget's interval): the last valid loss and its gain over
+        # the last 20% of the curve; no deep model to compare with
+        assert float(cells[7]) == pytest.approx(run["valid_loss"], abs=0.0005)
+        assert cells[8].endswith("%") and cells[9] == "-" and cells[13:] == ["-", "-"]
         numbers = [float(c) for c in cells[1:7] + cells[10:13]]
         assert numbers == [round(summary["params"] / 1e6, 2),
                            round(summary["active_params"] / 1e6, 2),
