@@ -16,9 +16,9 @@ from multipath_nmt.cli import package_version
 from multipath_nmt.pipeline import text
 
 CONSOLE_SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-# every script a user runs; run-recipe.sh and usage.sh are sourced by the others
+# every script a user runs: those with a #! line (the others, as usage.sh, are sourced by them)
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.sh")
-                 if p.name not in ("run-recipe.sh", "usage.sh"))
+                 if p.read_text().startswith("#!"))
 
 
 def _main(entry_point):
