@@ -14,8 +14,13 @@ import pytest
 
 from conftest import (PRELOADED_PYTHON, clean_env, run_command, script_env, script_python,
                       start_command)
-from helpers.preloaded_python import ForkedProcess, parse, run_subprocess
+from helpers.preloaded_python import IMITATED_PYTHONS, ForkedProcess, parse, run_subprocess
 from helpers.training import stop
+
+pytestmark = pytest.mark.skipif(
+    sys.version_info[:2] not in IMITATED_PYTHONS,
+    reason="the preloaded interpreter imitates CPython 3.11 and 3.12; on this Python the suite "
+           "starts a fresh interpreter for every command")
 
 SCRIPT = textwrap.dedent("""\
     import atexit, os, sys, threading, time

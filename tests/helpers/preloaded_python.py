@@ -27,7 +27,8 @@ as plain subprocesses. A command that a test signals or kills while it runs star
 :meth:`PreloadedPython.popen`: its output comes through a pipe of the test's, passed to the server
 over a socket, so the test reads it line by line as from ``subprocess.Popen`` and signals the
 child's pid.
-``MULTIPATH_NMT_TEST_FORK=0`` turns the server off: every command then runs as a subprocess.
+``MULTIPATH_NMT_TEST_FORK=0`` turns the server off: every command then runs as a subprocess, as
+it does on a Python other than those of :data:`IMITATED_PYTHONS`.
 """
 import atexit
 import builtins
@@ -601,8 +602,16 @@ def run_subprocess(args, env, cwd=None, timeout=600, merge_stderr=False):
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
+# The CPython versions whose startup, exits and tracebacks the server reproduces, as
+# tests/test_preloaded_python.py checks against fresh interpreters; on another Python every
+# command starts a fresh interpreter (3.13 prints a traceback's source lines for ``-c`` code, for
+# one, which a forked command does not).
+IMITATED_PYTHONS = ((3, 11), (3, 12))
+
+
 def _forking():
-    return os.environ.get("MULTIPATH_NMT_TEST_FORK", "1") != "0"
+    return (os.environ.get("MULTIPATH_NMT_TEST_FORK", "1") != "0"
+            and sys.version_info[:2] in IMITATED_PYTHONS)
 
 
 if __name__ == "__main__":
