@@ -545,7 +545,8 @@ def test_two_runs_on_one_work_dir_take_turns(small_corpus, tmp_path):
     for line in first.stdout:  # the first run holds the lock once it builds its first stage
         if line.startswith("[raw] building"):
             break
-    holder = process_tree(first.pid)[1]  # the shim's one child: the command forked for it
+    # the shim's one child, the command forked for it; the run itself where nothing forks
+    holder = process_tree(first.pid)[1] if script_python() != sys.executable else first.pid
     os.kill(holder, signal.SIGSTOP)  # and keeps it until the second has started
     resume = threading.Timer(60, os.kill, (holder, signal.SIGCONT))  # should the second not wait
     resume.start()
