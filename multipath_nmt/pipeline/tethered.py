@@ -7,8 +7,8 @@ After a kill -9 of multipath-prepare, none of its children may go on writing int
 every process forked from this one watches a lifeline, the read end of a pipe whose write end
 only this process holds (each child closes its copy as soon as it is forked): when this process
 dies, however it dies, the kernel closes that end, the read returns end-of-file, and the child
-kills itself. Pools must fork (multiprocessing's default on Linux up to Python 3.13, the versions
-we support); a program started with exec holds no write end (pipes are close-on-exec).
+kills itself. Pools must fork, so they ask for the fork context (forkserver is Python 3.14's
+default); a program started with exec holds no write end (pipes are close-on-exec).
 """
 import os
 import signal
