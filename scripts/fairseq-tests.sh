@@ -6,8 +6,9 @@
 #
 #   scripts/fairseq-tests.sh FAIRSEQ_CHECKOUT [TEST_FILE ...]
 #
-# FAIRSEQ_CHECKOUT: fairseq's sources at the version installed (v0.12.3 for ve-fairseq 0.12.3):
-#   git clone --branch v0.12.3 --depth 1 https://github.com/facebookresearch/fairseq
+# FAIRSEQ_CHECKOUT: fairseq's sources at the commit installed (3f0f20f2 for fairseq-fixed
+# 0.12.3.1: README, "Which fairseq"):
+#   git clone https://github.com/facebookresearch/fairseq && git -C fairseq checkout 3f0f20f2
 # Only its tests/ folder is used, copied to a scratch folder, so that the installed fairseq (with
 # its compiled extensions) is imported, not the checkout's sources.
 # TEST_FILE: file names in tests/ (e.g. test_export.py); default: every tests/test_*.py but
