@@ -273,3 +273,17 @@ def test_fairseq_tests_script_names_what_passes_only_without_or_only_with_the_pl
     assert "passes only with the plug-in: tests/test_probe.py::test_with_the_plug_in" in proc.stdout
     assert (tmp_path / "out" / "plain.passed").read_text().splitlines() == [
         "tests/test_probe.py::test_either", "tests/test_probe.py::test_without_the_plug_in"]
+
+
+def test_a_checkpoint_config_without_the_asynchronous_flag_saves_as_fairseq_does():
+    """fairseq's tests/test_checkpoint_utils_for_task_level_attributes.py builds a checkpoint config
+    by hand without ``write_checkpoints_asynchronously``; the patch read the key and raised, and
+    the mocks that test had started stayed in place for every later test of fairseq's suite."""
+    from multipath_nmt.fairseq_patches import checkpoints as checkpoint_patches
+
+    saved = []
+    save = checkpoint_patches._copies_written_asynchronously(lambda *args: saved.append(args))
+    cfg = OmegaConf.create({"save_dir": "/tmp/ckpt"})
+    OmegaConf.set_struct(cfg, True)  # a missing key raises, as in fairseq's configs
+    save(cfg, "trainer", "epoch_itr", 1.0)
+    assert saved == [(cfg, "trainer", "epoch_itr", 1.0)]
