@@ -23,7 +23,8 @@ import pytest
 import torch
 from filelock import FileLock
 
-from helpers.preloaded_python import PreloadedPython, run_subprocess
+from helpers import in_process
+from helpers.processes import run_subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_DIR = ROOT / "multipath_nmt"
@@ -47,33 +48,19 @@ TRAIN_FLAGS = [
 
 
 def clean_env(**extra):
-    """The environment a user has: none of our variables, single-threaded for determinism."""
+    """The environment a user has: none of our variables, the venv's console scripts on the
+    ``PATH`` (as an activated venv has them), single-threaded for determinism."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MULTIPATH_NMT_")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update(extra)
     return env
 
 
-# ``python -m ...`` commands run in children of one process that has imported torch and
-# fairseq (tests/helpers/preloaded_python.py): seconds saved per command.
-PRELOADED_PYTHON = PreloadedPython(clean_env())
-
-
-def script_python():
-    """What the tests give scripts as ``PYTHON``: an interpreter that forks the fairseq commands
-    a script starts from the preloaded server (:meth:`PreloadedPython.shim`)."""
-    return PRELOADED_PYTHON.shim()
-
-
 def script_env(**extra):
-    """:func:`clean_env` for a script (``scripts/*.sh``): :func:`script_python` as its
-    ``PYTHON`` and as the interpreter of torchrun's workers (torchrun's ``PYTHON_EXEC``), and the
-    console scripts it runs by name (``multipath-score``) forked as well."""
-    env = clean_env(PYTHON=script_python(), PYTHON_EXEC=script_python(), **extra)
-    console_scripts = PRELOADED_PYTHON.console_scripts()
-    if console_scripts:
-        env["PATH"] = os.pathsep.join([console_scripts, env["PATH"]])
-    return env
+    """:func:`clean_env` for a script (``scripts/*.sh``): this interpreter as its ``PYTHON`` and
+    as the interpreter of torchrun's workers (torchrun's ``PYTHON_EXEC``)."""
+    return clean_env(PYTHON=sys.executable, PYTHON_EXEC=sys.executable, **extra)
 
 
 def _resolved(args, env):
@@ -83,31 +70,24 @@ def _resolved(args, env):
     return args
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _stop_preloaded_python():
-    yield
-    PRELOADED_PYTHON.close()
-
-
 def run_command(args, env=None, cwd=None, timeout=600, merge_stderr=False):
-    """``subprocess.run(args)`` with text output (stderr in stdout with ``merge_stderr``), from
-    the preloaded server when the command allows it. A timeout kills the command and everything it
-    started, then raises ``subprocess.TimeoutExpired``."""
+    """``subprocess.run(args)`` with text output (stderr in stdout with ``merge_stderr``), for a
+    test marked ``process``. A timeout kills the command and everything it started, then raises
+    ``subprocess.TimeoutExpired``."""
+    fail_unless_marked_process(args)
     args, env = [str(a) for a in args], env or clean_env()
-    if PRELOADED_PYTHON.forkable(found := _resolved(args, env), env):
-        return PRELOADED_PYTHON.run(found, env, cwd=cwd, timeout=timeout, merge_stderr=merge_stderr)
-    return run_subprocess(args, env, cwd=cwd, timeout=timeout, merge_stderr=merge_stderr)
+    return run_subprocess(_resolved(args, env), env, cwd=cwd, timeout=timeout,
+                          merge_stderr=merge_stderr)
 
 
 def start_command(args, env=None):
     """``subprocess.Popen(args, stdout=PIPE, stderr=STDOUT, text=True)`` for a command that the
     test reads while it runs, signals or kills (``pid``, ``stdout``, ``wait()``,
-    ``returncode``), from the preloaded server when the command allows it."""
+    ``returncode``), for a test marked ``process``."""
+    fail_unless_marked_process(args)
     args, env = [str(a) for a in args], env or clean_env()
-    if PRELOADED_PYTHON.forkable(found := _resolved(args, env), env):
-        return PRELOADED_PYTHON.popen(found, env)
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    return subprocess.Popen(_resolved(args, env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def run_cli(args, check=True, env=None, cwd=None, timeout=600):
@@ -119,12 +99,27 @@ def run_cli(args, check=True, env=None, cwd=None, timeout=600):
     return proc
 
 
+def run_tool(name, *args, check=True, env=None):
+    """The console script ``name`` (``multipath-score``) with ``args``, in this process
+    (:func:`helpers.in_process.console_script`; ``env``: variables set for the run); on an
+    unexpected exit code fail with its output."""
+    proc = in_process.console_script(name, args, env=env)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{name} {' '.join(map(str, args))} exited {proc.returncode}\n"
+                    f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
 def run_fairseq(tool, *args, check=True, env=None, user_dir=True):
-    """``fairseq-<tool>`` as a user runs it, with ``--user-dir multipath_nmt``."""
-    cmd = [sys.executable, "-m", f"fairseq_cli.{tool}", *args]
-    if user_dir:
-        cmd += ["--user-dir", USER_DIR]
-    proc = run_cli(cmd, check=check, env=env)
+    """``fairseq-<tool> ARGS... --user-dir multipath_nmt`` (without the flag for
+    ``user_dir=False``) through fairseq's ``cli_main`` in this process
+    (:func:`helpers.in_process.fairseq`; ``env``: variables set for the run); on an unexpected
+    exit code fail with its output."""
+    args = [*args, "--user-dir", USER_DIR] if user_dir else list(args)
+    proc = in_process.fairseq(tool, args, env=env)
+    if check and proc.returncode != 0:
+        pytest.fail(f"fairseq-{tool} {' '.join(map(str, args))} exited {proc.returncode}\n"
+                    f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     if tool == "train":
         fail_unless_marked_slow(proc.stdout + proc.stderr, "fairseq-train")
     return proc
@@ -168,6 +163,31 @@ def fail_unless_marked_slow(output, what):
         return
     pytest.fail(f"{item.nodeid} trains ({what}) but is not marked slow: add @pytest.mark.slow, "
                 "or have the fixture that trains request the `trains` fixture", pytrace=False)
+
+
+def fail_unless_marked_process(args):
+    """Fail the running test if it starts ``args`` in its own body without the ``process`` mark:
+    library behaviour is tested in-process (:mod:`helpers.in_process`); a process is started
+    where it is the point (signals, kill -9, torchrun, the patches off, a fresh interpreter, a
+    script's own logic). Fixtures may start processes for the tests that use them."""
+    item = _running[-1] if _running else None
+    if item is None or _phase.get(item.nodeid) != "call" or item.get_closest_marker("process"):
+        return
+    pytest.fail(f"{item.nodeid} starts {' '.join(map(str, args))[:120]} but is not marked "
+                "process: call the library in-process (tests/helpers/in_process.py), or add "
+                "@pytest.mark.process where the process is the point", pytrace=False)
+
+
+_phase = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _phase[item.nodeid] = "call"
+    try:
+        yield
+    finally:
+        _phase.pop(item.nodeid, None)
 
 
 @pytest.fixture(scope="session")

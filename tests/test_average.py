@@ -1,12 +1,11 @@
 """multipath-average: exact float64 mean of real fairseq checkpoints, fairseq's file selection,
 atomic output that fairseq-generate loads, and clear refusals."""
 import collections
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq, script_env
+from conftest import ROOT, TINY_MODEL, TRAIN_FLAGS, run_cli, run_fairseq, run_tool, script_env
 
 from multipath_nmt import averaging
 from multipath_nmt.checkpoint_io.dictionaries import DICTIONARIES
@@ -69,6 +68,7 @@ def test_last_n_selection(run_dir):
         pick(run_dir, 4, update_based=False)
 
 
+@pytest.mark.process
 def test_average_sh_and_generate_load_the_result(run_dir, toy_data_bin, tmp_path):
     out = tmp_path / "avg.pt"
     env = script_env()
@@ -166,7 +166,7 @@ def test_cli_errors_leave_no_output(run_dir, tmp_path):
     for argv, message in cases:
         with pytest.raises(averaging.AveragingError, match=message):
             _average(*argv, "--output", out)
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.average", "--inputs",
-                    tmp_path / "missing.pt", "--output", out], check=False)
+    proc = run_tool("multipath-average", "--inputs",
+                    tmp_path / "missing.pt", "--output", out, check=False)
     assert proc.returncode == 1 and "missing.pt: no such checkpoint file" in proc.stderr
     assert not out.exists()

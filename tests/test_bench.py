@@ -4,8 +4,10 @@ import json
 import sys
 
 import pytest
-from conftest import clean_env, run_cli
-from helpers.preloaded_python import run_subprocess
+from conftest import clean_env
+from helpers import in_process
+from multipath_nmt.cli import bench as bench_cli
+from helpers.processes import run_subprocess
 
 from multipath_nmt import recipe
 
@@ -26,8 +28,10 @@ def test_bench_compiled_times_eager_and_compiled_side_by_side(tmp_path):
     """--compiled: each system's eager and --compile-layers trainers timed in one run, the
     ratio per repeat, the compile time apart; compiled.json and compiled.md written."""
     systems = ["stock prenorm L", "multi-path L x 4 (full)"]
-    out = run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--size", "tiny",
-                   "--compiled", "aot_eager", "--out", tmp_path, "--only", *systems]).stdout
+    proc = in_process.call(bench_cli.main, ["--size", "tiny", "--compiled", "aot_eager", "--out",
+                                            tmp_path, "--only", *systems])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
     result = json.loads((tmp_path / "compiled.json").read_text())
     assert list(result["compiled"]) == systems and result["backend"] == "aot_eager"
     for name, row in result["compiled"].items():
@@ -47,8 +51,9 @@ def test_bench_tiny_writes_consistent_reports(tmp_path):
     # "+cheap features" is judged against the plain system, which --only leaves out here
     systems = ["stock prenorm L", "stock deep 4L", "multi-path L x 4 (full)",
                "multi-path L x 4 (+cheap features)"]
-    run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--size", "tiny", "--no-memory",
-             "--out", tmp_path, "--only", *systems])
+    proc = in_process.call(bench_cli.main, ["--size", "tiny", "--no-memory", "--out", tmp_path,
+                                            "--only", *systems])
+    assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "bench.json").read_text())
     assert list(result["systems"]) == systems
     peak = result["matmul_peak_flops"]
@@ -127,10 +132,9 @@ def test_fast_systems_are_timed_over_as_long_a_window_as_slow_ones():
 
 
 def test_bench_refuses_fp16_on_cpu_and_unknown_systems(tmp_path):
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--fp16"], check=False)
+    proc = in_process.call(bench_cli.main, ["--fp16"])
     assert proc.returncode == 2 and "--fp16 needs --device cuda" in proc.stderr
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--only", "nope"],
-                   check=False)
+    proc = in_process.call(bench_cli.main, ["--only", "nope"])
     assert proc.returncode == 2 and "unknown system(s) ['nope']" in proc.stderr
 
 
@@ -208,10 +212,9 @@ def test_bench_precision_defaults_to_train_shs():
 
 
 def test_bench_precision_flags_are_checked_before_anything_runs():
-    bench = [sys.executable, "-m", "multipath_nmt.cli.bench"]
-    proc = run_cli([*bench, "--precision", "fp16"], check=False)
+    proc = in_process.call(bench_cli.main, ["--precision", "fp16"])
     assert proc.returncode == 2 and "--precision fp16 needs --device cuda" in proc.stderr
-    proc = run_cli([*bench, "--fp16", "--precision", "bf16"], check=False)
+    proc = in_process.call(bench_cli.main, ["--fp16", "--precision", "bf16"])
     assert proc.returncode == 2 and "--fp16 and --precision bf16 contradict" in proc.stderr
 
 
@@ -220,8 +223,7 @@ def test_bench_refuses_cuda_without_a_gpu_in_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.bench", "--device", "cuda"],
-                   check=False)
+    proc = in_process.call(bench_cli.main, ["--device", "cuda"])
     ours = [line for line in proc.stderr.splitlines() if not line.startswith("INFO:fairseq")]
     assert proc.returncode == 1 and ours == [
         f"multipath-bench: --device cuda: {recipe.no_cuda_device()}"]
@@ -289,7 +291,7 @@ def test_keep_freed_memory_stops_page_faulting_large_tensors_in_anew():
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "for _ in range(10): torch.ones(16 << 20)\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
-    # fresh interpreters: a child forked from the preloaded one would inherit its heap and mmap threshold
+    # fresh interpreters: this process's heap and mmap threshold are the suite's
     faults = {mode: int(run_subprocess([sys.executable, "-c", probe, mode], clean_env()).stdout.split()[-1])
               for mode in ("default", "keep")}
     pages = (64 << 20) // 4096

@@ -21,9 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (TINY_MODEL, TRAIN_FLAGS, clean_env, copy_run, run_cli, run_command, run_fairseq,
-                      script_python, start_command)
-from helpers.training import SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command
+from conftest import (TINY_MODEL, TRAIN_FLAGS, clean_env, copy_run, run_fairseq,
+                      start_command)
+from helpers import in_process
+from helpers.training import (SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command,
+                              train_to_its_end)
 
 from multipath_nmt import checkpoint_io
 from multipath_nmt.checkpoint_io import dictionaries, reading, writing
@@ -200,7 +202,7 @@ def test_console_scripts_say_one_line(tool, name, good, tmp_path):
     path = _write(tmp_path, name, make(good))
     out = tmp_path / "out.pt"
     args = ["--inputs", path] if tool == "multipath-average" else [path]
-    proc = run_cli([BIN / tool, *args, *TOOLS[tool](out)], check=False)
+    proc = in_process.console_script(tool, [*args, *TOOLS[tool](out)])
     assert proc.returncode == 1
     lines = _without_import_noise(proc.stderr)
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -261,7 +263,7 @@ def test_mismatched_dictionary_generate_and_resume(run_dir, toy_data_bin, small_
     save = tmp_path / "ckpt"
     shutil.copytree(run_dir, save)
     command = train_command(small_vocabulary_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 20)
-    proc = run_command(command, timeout=300)
+    proc = train_to_its_end(command)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith(says.replace(str(checkpoint), str(save / "checkpoint_last.pt"))
                                                          + " (and dictionaries) the model was trained on")
@@ -298,8 +300,8 @@ def test_same_size_dictionary_with_other_symbols_generate_and_resume(run_dir, to
     save = tmp_path / "ckpt"
     shutil.copytree(run_dir, save)
     before = {p.name: _digest(p) for p in save.iterdir()}
-    proc = run_command(train_command(other, save, "baseline", *SMALL_BATCHES, "--max-update", RUN_UPDATES + 1),
-                       timeout=300)
+    proc = train_to_its_end(train_command(other, save, "baseline", *SMALL_BATCHES, "--max-update",
+                                          RUN_UPDATES + 1))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith(f"error: {save / 'checkpoint_last.pt'}: {says}")
     assert {p.name: _digest(p) for p in save.iterdir()} == before
@@ -315,6 +317,7 @@ def test_same_size_dictionary_with_other_symbols_generate_and_resume(run_dir, to
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_path):
     """A second fairseq-train on the save dir of a live run is refused before it reads or writes
     anything, in one line naming the save dir and the holder; after the first is killed with
@@ -325,9 +328,6 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
 
     save = tmp_path / "ckpt"
     shutil.copytree(run_dir, save)
-    # the second run goes through the shim, which the server forks while its one started command (the
-    # first run) is stopped; asked for before that command holds the server
-    shim = script_python()
     first = start_command(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 1000))
     try:
         for line in first.stdout:  # it resumed and holds the save dir
@@ -335,8 +335,8 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
                 break
         os.kill(first.pid, signal.SIGSTOP)  # writes nothing while the second tries
         before = {p.name: _digest(p) for p in save.iterdir()}
-        second = subprocess.run([shim, *train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES,
-                                                      "--max-update", RUN_UPDATES + 1)[1:]],
+        second = subprocess.run([*train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES,
+                                                      "--max-update", RUN_UPDATES + 1)],
                                 capture_output=True, text=True, env=clean_env(), timeout=300)
         assert {p.name: _digest(p) for p in save.iterdir()} == before
     finally:
@@ -411,7 +411,7 @@ def test_a_damaged_restore_file_the_user_named_stops_with_one_line(run_dir, toy_
     damaged.write_bytes((run_dir / "checkpoint_1_8.pt").read_bytes()[:1000])
     command = train_command(toy_data_bin, tmp_path / "ckpt", "baseline", *SMALL_BATCHES, "--max-update", 2,
                             "--restore-file", damaged)
-    proc = run_command(command, timeout=300)
+    proc = train_to_its_end(command)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"train.py: error: {damaged}: truncated checkpoint (1000 bytes, the end of its zip archive is "
@@ -440,6 +440,7 @@ def _file_size_limit(limit):
 
 
 @pytest.mark.slow
+@pytest.mark.process  # the file-size limit of a process of its own
 def test_full_disk_during_a_save(run_dir, toy_data_bin, tmp_path):
     """The resumed run's first save hits a file-size limit below a checkpoint's size (what a full
     disk does to the write): the partial file is gone, every earlier checkpoint is unchanged and
@@ -618,6 +619,7 @@ def test_written_since_a_mark_leaves_out_earlier_asynchronous_writes_completed_a
 
 
 @pytest.mark.slow
+@pytest.mark.process  # the file-size limit of a process of its own
 def test_full_disk_during_an_asynchronous_save(run_dir, toy_data_bin, tmp_path):
     """As test_full_disk_during_a_save, with --write-checkpoints-asynchronously: the error of the
     background write stops the run with one line (with ioPath it was a traceback in its thread

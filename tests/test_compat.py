@@ -2,11 +2,12 @@
 (multipath_nmt.fairseq_patches.torch_compat), copies checkpoints atomically and keeps every
 sentence in a batch (fairseq_patches.checkpoints, fairseq_patches.batching)."""
 import pickle
+import sys
 
 import pytest
 import torch
 
-from conftest import TOY_BASELINE, copy_run, run_fairseq
+from conftest import TOY_BASELINE, USER_DIR, copy_run, run_cli, run_fairseq
 
 from multipath_nmt import fairseq_patches
 from multipath_nmt.checkpoint_io import UntrustedCheckpointError
@@ -72,10 +73,12 @@ def test_atomic_copy_leaves_no_partial_file(tmp_path, monkeypatch):
     assert dst.read_bytes() == src.read_bytes()
 
 
+@pytest.mark.process  # a fresh fairseq-train's log: the patches the plug-in's import installs
 def test_train_resume_and_generate_without_environment(trained, toy_data_bin):
     """Stock fairseq on torch >= 2.6 cannot resume; through the plug-in it can."""
     common, save, _ = trained
-    resumed = run_fairseq("train", *common, "--max-update", "6")
+    resumed = run_cli([sys.executable, "-m", "fairseq_cli.train", *common, "--max-update", "6",
+                       "--user-dir", USER_DIR])
     log = resumed.stderr + resumed.stdout
     assert "Loaded checkpoint" in log and "num_updates 6" in log
     assert (f"| INFO | multipath_nmt.fairseq_patches | patches in force: {', '.join(fairseq_patches.NAMES)} "

@@ -16,11 +16,12 @@ from helpers.training import (
     load_model_state,
     run,
     train_command,
+    train_to_its_end,
 )
 from multipath_nmt.benchmark.batches import fake_data_dir, synthetic_batch
 from multipath_nmt.benchmark.systems import SIZES, build_trainer, fairseq_flags, systems_for
 from multipath_nmt.fairseq_patches import compile_layers
-from conftest import run_command, run_fairseq
+from conftest import run_fairseq
 
 SIZE = dict(SIZES["tiny"], dim=16, ffn=32, heads=2, vocab=60)
 # (batch, length) of successive batches: the first few may compile (dynamic shapes, the decoder's
@@ -170,7 +171,7 @@ def test_compile_flag_refuses_bad_input_in_one_line(toy_data_bin, tmp_path):
     """An unknown backend is an argparse error naming the choices; with
     --checkpoint-activations, one line saying why."""
     base = train_command(toy_data_bin, tmp_path, "baseline", "--max-update", "1")
-    bad = run_command([*base, "--compile-layers", "nosuch"], timeout=120)
+    bad = train_to_its_end([*base, "--compile-layers", "nosuch"])
     assert bad.returncode == 2
     assert "unknown torch.compile backend 'nosuch'; choose one of" in bad.stderr
     assert "aot_eager" in bad.stderr and "inductor" in bad.stderr

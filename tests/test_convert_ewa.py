@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import TINY_MODEL, run_cli, run_fairseq
+from conftest import TINY_MODEL, run_fairseq, run_tool
 from helpers.models import build_like_fairseq_train
 
 from multipath_nmt.cli.convert_ewa import main
@@ -25,7 +25,7 @@ def ewa_checkpoint(toy_ewa_run):
 @pytest.fixture(scope="module")
 def converted(ewa_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("converted") / "stock.pt"  # not next to the shared checkpoint
-    run_cli(["multipath-convert-ewa", ewa_checkpoint, out])
+    run_tool("multipath-convert-ewa", ewa_checkpoint, out)
     return out
 
 

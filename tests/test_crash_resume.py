@@ -33,6 +33,7 @@ FLAGS = [*SMALL_BATCHES, "--max-update", MAX_UPDATE, "--save-interval-updates", 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.process
 def test_sigkill_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_path):
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs alongside
         reference = pool.submit(run, train_command(toy_data_bin, tmp_path / "uninterrupted",
@@ -55,6 +56,7 @@ def test_sigkill_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_sigkill_with_asynchronous_writes_resumes_from_the_last_complete_save(toy_data_bin, tmp_path):
     """--write-checkpoints-asynchronously, then kill -9: the rerun resumes from the last save that
     completed and ends where an uninterrupted run ends. fairseq 0.12 wrote only the first file
@@ -92,6 +94,7 @@ LATER_FLAGS = [*SMALL_BATCHES, "--max-update", LATER_MAX_UPDATE, "--save-interva
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.process
 def test_sigkill_in_epoch_2_then_same_command_resumes_bit_exactly(model, toy_data_bin, tmp_path):
     kill_at = random.Random(model).randint(EPOCH_1_UPDATES + 6, LATER_MAX_UPDATE - 6)
     with ThreadPoolExecutor(1) as pool:
@@ -116,11 +119,8 @@ def test_sigkill_in_epoch_2_then_same_command_resumes_bit_exactly(model, toy_dat
 @pytest.mark.slow
 def test_same_seed_same_checkpoint(toy_data_bin, tmp_path):
     """Two identical CPU runs of a model with dropout, router noise and random token groups."""
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(run, train_command(toy_data_bin, tmp_path / name, "ewa",
-                                               *SMALL_BATCHES, "--max-update", 6))
-                for name in ("first", "second")]
-        [r.result() for r in runs]
+    for name in ("first", "second"):
+        run(train_command(toy_data_bin, tmp_path / name, "ewa", *SMALL_BATCHES, "--max-update", 6))
     first, _ = load_model_state(tmp_path / "first" / "checkpoint_last.pt")
     second, _ = load_model_state(tmp_path / "second" / "checkpoint_last.pt")
     assert_same_tensors(second, first)

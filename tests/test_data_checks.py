@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import TOY_BASELINE, USER_DIR, run_command, run_fairseq
-from helpers.training import SMALL_BATCHES, train_command
+from helpers.training import SMALL_BATCHES, train_command, train_to_its_end
 
 from multipath_nmt.data_bin_checks import (DataBinError, check_dictionary, check_indexed_file,
                                      check_split, rebuild_advice)
@@ -123,8 +123,7 @@ def _assert_one_line(proc, tool, data, name, split):
 @pytest.mark.parametrize("name", sorted(DAMAGE))
 def test_fairseq_train_says_one_line_before_the_first_update(name, toy_data_bin, tmp_path):
     data = _damaged_copy(toy_data_bin, tmp_path, name, "train")
-    command = train_command(data, tmp_path / "ckpt", "baseline", *TRAIN)
-    proc = run_command(command, timeout=300)
+    proc = train_to_its_end(train_command(data, tmp_path / "ckpt", "baseline", *TRAIN))
     _assert_one_line(proc, "train", data, name, "train")
     assert "num_updates=" not in proc.stdout  # stopped before the first update
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
@@ -223,6 +222,7 @@ def test_advice_names_the_multipath_prepare_command_that_wrote_the_data_bin(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.process  # the advised command, run by a shell as printed
 def test_the_advised_command_rebuilds_a_prepared_data_bin_byte_for_byte(tmp_path):
     """A data-bin made by multipath-prepare corpus is damaged; the command of the one-line message
     is run as it is printed, and the data-bin passes again, byte-identical to the first one."""
@@ -235,9 +235,11 @@ def test_the_advised_command_rebuilds_a_prepared_data_bin_byte_for_byte(tmp_path
             (text / f"{split}.{lang}").write_text("".join(p[column] + "\n" for p in pairs))
     out = tmp_path / "bin" / "syn"
     # the default --workers, as in the advised command (preprocess.log records the number)
-    prepare = [BIN / "multipath-prepare", "corpus", "--src", "en", "--tgt", "de",
+    prepare = ["multipath-prepare", "corpus", "--src", "en", "--tgt", "de",
                "--bpe-merges", "60", "--out", out,
                *[arg for s in ("train", "valid", "test") for arg in (f"--{s}", text / s)]]
+    # a process of its own: the default --workers fork a pool, which a process with threads
+    # (this one: the suite's trainings) cannot do safely
     assert run_command(prepare, timeout=300).returncode == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     _truncate(out / "train.en-de.de.bin", 0.5)
@@ -318,7 +320,7 @@ def test_fairseq_train_with_a_valid_sentence_longer_than_the_models_positions_sa
     command = [sys.executable, "-m", "fairseq_cli.train", data, *TRAIN_WITH_FAIRSEQS_DEFAULTS,
                "--max-update", "3", "--save-dir", tmp_path / "ckpt", "--user-dir", USER_DIR]
     assert "--num-workers" not in command and "--disable-validation" not in command
-    proc = run_command(command, timeout=300)
+    proc = train_to_its_end(command)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in output, output[-6000:]
     last = proc.stderr.strip().splitlines()[-1]

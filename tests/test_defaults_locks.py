@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_command, run_fairseq, script_python,
+from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_command, run_fairseq,
                       start_command)
-from helpers.preloaded_python import kill_tree, process_tree
+from helpers.processes import kill_tree, process_tree
 from helpers.signals import alive, run_and_signal
 from helpers.training import MODELS, SMALL_BATCHES, UPDATE_LOGGED, load_model_state, stop
 
@@ -107,6 +107,7 @@ with work_dir_locked(sys.argv[1]):
 """
 
 
+@pytest.mark.process
 def test_the_work_dir_lock_dies_with_its_holder_though_a_forked_child_lives(tmp_path):
     """multipath-prepare's work-dir lock, its holder killed with SIGKILL while a forked child of
     it (a pool worker) still runs: the next run takes the lock at once. The child inherited the
@@ -159,6 +160,7 @@ def test_a_forked_child_forgets_the_lock_and_cannot_remove_its_file(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_bin, tmp_path):
     """fairseq-train with its default data loading (one forked worker) and validation, killed
     with SIGKILL: its data-loader worker, which lives on a few seconds, holds no descriptor of
@@ -280,6 +282,7 @@ def _lock_holder_pid(save):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tmp_path):
     """train.sh with fairseq's default data loading and validation, saving every 2 updates; a
     second train.sh on its save dir with another micro-batch (--max-tokens 40), while the first
@@ -287,7 +290,7 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
     its own command. Were the refused run to overwrite train-sh-batch.json, the resume would stop
     with "cannot continue epoch 1 where the checkpoint stopped"."""
     save = tmp_path / "ckpt"
-    python = script_python()  # asked for before the first command holds the server
+    python = sys.executable
 
     def train_sh(*extra):
         return ["env", f"PYTHON={python}", "MULTIPATH_NMT_NUM_GPUS=0", "bash", str(TRAIN_SH),

@@ -19,6 +19,7 @@ TORCHRUN_TIMEOUT = 300
 
 
 @pytest.mark.parametrize("model", ["multipath", "widenet"])
+@pytest.mark.process
 def test_two_ranks_match_one_process_with_update_freq_two(model, toy_data_bin, tmp_path):
     """WideNet uses its shared attention and MoE twice per step: DDP must sum both uses."""
     flags = [*SMALL_BATCHES, "--max-update", 4, "--save-interval-updates", 4,
@@ -32,6 +33,7 @@ def test_two_ranks_match_one_process_with_update_freq_two(model, toy_data_bin, t
     assert_same_final_model(tmp_path / "ddp", tmp_path / "single", 4)
 
 
+@pytest.mark.process
 def test_killed_two_rank_ewa_run_resumes_like_one_process(toy_data_bin, tmp_path):
     """SIGKILL a 2-rank EWA run, start it again: rank 0 loads checkpoint_last.pt and broadcasts
     it (an OmegaConf config inside, through the plug-in's allow-list), both ranks continue the

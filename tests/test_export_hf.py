@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
-from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_cli,
-                      run_fairseq)
+from conftest import FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_fairseq
+from helpers import in_process
 
 from multipath_nmt.ewa.folding import fold_state_dict
 from multipath_nmt.params import build_model
@@ -48,8 +48,11 @@ def _offline(monkeypatch, tmp_path_factory):
 
 
 def export_cli(*args, check=True):
-    """``multipath-export-hf`` as a module (the console script exists after a reinstall)."""
-    return run_cli([sys.executable, "-m", "multipath_nmt.cli.export_hf", *args], check=check)
+    """``multipath-export-hf ARGS...`` in this process."""
+    proc = in_process.console_script("multipath-export-hf", args)
+    if check and proc.returncode != 0:
+        pytest.fail(f"multipath-export-hf exited {proc.returncode}: {proc.stderr[-4000:]}")
+    return proc
 
 
 # --- teacher-forced logits ------------------------------------------------------------------
@@ -239,8 +242,8 @@ def exported(trains, toy_data_bin, toy_learned_baseline_run, toy_ewa_run, tmp_pa
                 "--max-update", "200", "--save-dir", folder / "ckpt")
     found["multipath"] = folder / "ckpt" / "checkpoint_last.pt"
     folded = tmp_path_factory.mktemp("folded") / "folded.pt"
-    run_cli([sys.executable, "-m", "multipath_nmt.cli.convert_ewa",
-                 toy_ewa_run / "checkpoint_last.pt", folded])
+    assert in_process.console_script("multipath-convert-ewa",
+                                     [toy_ewa_run / "checkpoint_last.pt", folded]).returncode == 0
     found["folded ewa"] = folded
     out = {}
     for name, checkpoint in found.items():
@@ -389,12 +392,10 @@ def _export(*argv):
 
 
 def _refusal(*argv):
-    """The one line ``multipath-export-hf ARGV`` exits with (status 1: sys.exit of a string)."""
-    with pytest.raises(SystemExit) as exit_info:
-        _export(*argv)
-    message = exit_info.value.code
-    assert isinstance(message, str) and "\n" not in message, message
-    return message
+    """The one line ``multipath-export-hf ARGV`` exits with."""
+    from multipath_nmt.cli.export_hf import main
+
+    return in_process.refusal(main, argv)
 
 
 def _siblings(folder):
@@ -500,6 +501,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.process
 def test_kill_9_after_the_weights_leaves_the_old_folder_whole(baseline_checkpoint, toy_data_bin,
                                                               tmp_path):
     import subprocess

@@ -250,6 +250,7 @@ def test_asynchronous_save_goes_through_fairseqs_save_and_iopaths_writer():
 # --- scripts/fairseq-tests.sh ---------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_fairseq_tests_script_names_what_passes_only_without_or_only_with_the_plug_in(tmp_path):
     checkout = tmp_path / "fairseq"
     (checkout / "tests").mkdir(parents=True)

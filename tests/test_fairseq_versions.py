@@ -195,6 +195,7 @@ def test_planning_checks_and_records_every_wrap_and_replaces_nothing():
         == [(name.split(".")[2], name) for name in patches_of(before)]
 
 
+@pytest.mark.process  # a fresh fairseq-train, whose plug-in import refuses
 def test_fairseq_train_on_an_untested_fairseq_says_one_line():
     """A fresh ``fairseq-train --user-dir multipath_nmt`` whose fairseq says 0.12.2: one line on
     stderr, status 1, before it reads its data."""

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, run_cli, script_env
+from helpers import in_process
+from multipath_nmt.cli import gpu_check as gpu_check_cli
 from multipath_nmt import recipe
 from multipath_nmt.benchmark import gpu_check
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
@@ -225,7 +227,8 @@ def test_no_cuda_device_tells_a_cpu_only_build_from_a_cuda_build_without_a_gpu(m
                 "run it on a GPU machine"}[cuda]
 
 
-def test_cli_refuses_cuda_without_a_gpu_in_one_line():
+@pytest.mark.process  # gpu-check.sh's own check, before any Python of ours
+def test_the_script_refuses_cuda_without_a_gpu_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     proc = run_cli(["bash", ROOT / "scripts" / "gpu-check.sh"], check=False,
@@ -234,19 +237,23 @@ def test_cli_refuses_cuda_without_a_gpu_in_one_line():
     assert proc.stderr.splitlines() == [
         f"gpu-check.sh: no CUDA device is visible to PyTorch ({sys.executable}); run it on a GPU "
         "machine"]
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check"], check=False)
+
+
+def test_cli_refuses_cuda_without_a_gpu_in_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = in_process.call(gpu_check_cli.main, [])
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == (  # after fairseq's start-up lines
-        f"gpu-check: {recipe.no_cuda_device()}")
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
-                    "--precision", "fp16"], check=False)
+    assert proc.stderr.strip().splitlines()[-1] == f"gpu-check: {recipe.no_cuda_device()}"
+    proc = in_process.call(gpu_check_cli.main, ["--device", "cpu", "--precision", "fp16"])
     assert proc.returncode == 1 and "--precision fp16 needs --device cuda" in proc.stderr
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
-                    "--precision", "fp32", "--only", "nope"], check=False)
+    proc = in_process.call(gpu_check_cli.main, ["--device", "cpu", "--precision", "fp32", "--only",
+                                                "nope"])
     assert proc.returncode == 1 and "unknown system(s) ['nope']" in proc.stderr
 
 
 @pytest.mark.slow
+@pytest.mark.process  # the script's own summary line
 def test_gpu_check_script_runs_on_the_cpu_at_the_tiny_size(tmp_path):
     systems = [gpu_check.STOCK, "WideNet (shared attn + MoE E4 k2)"]
     proc = run_cli(["bash", ROOT / "scripts" / "gpu-check.sh", "--no-bench", "--device", "cpu",
@@ -510,7 +517,6 @@ def test_fairseq_train_leg_runs_the_recipes_command_as_two_gloo_processes():
 # command, run, saved, validated and resumed.
 
 from multipath_nmt.benchmark import gpu_check_recipe  # noqa: E402
-from multipath_nmt.cli import gpu_check as gpu_check_cli  # noqa: E402
 
 MULTI_PATH = "multi-path L x 4 (full)"
 
@@ -695,11 +701,9 @@ def test_a_recipe_chain_that_breaks_or_a_train_sh_that_refuses_is_a_failed_row(m
 
 
 def test_recipe_leg_switches(tmp_path):
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
-                    "--no-table", "--no-recipe"], check=False)
+    proc = in_process.call(gpu_check_cli.main, ["--device", "cpu", "--no-table", "--no-recipe"])
     assert proc.returncode == 1 and "leave nothing to run" in proc.stderr
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.gpu_check", "--device", "cpu",
-                    "--recipe-systems", "nope"], check=False)
+    proc = in_process.call(gpu_check_cli.main, ["--device", "cpu", "--recipe-systems", "nope"])
     assert proc.returncode == 1 and "unknown system(s) ['nope']" in proc.stderr
 
 
@@ -708,9 +712,10 @@ def test_the_recipe_leg_runs_fairseq_train_saves_validates_and_resumes(tmp_path)
     """The real thing on the CPU: train.sh's fairseq-train for stock, K updates with saves and
     validations, resumed from checkpoint_last.pt at update K across an epoch's end, in bf16
     autocast and in fp32."""
-    proc = run_cli(["bash", ROOT / "scripts" / "gpu-check.sh", "--no-bench", "--device", "cpu",
-                    "--precision", "bf16", "--size", "tiny", "--out", tmp_path, "--no-table",
-                    "--recipe-systems", gpu_check.STOCK], env=script_env())
+    proc = in_process.call(gpu_check_cli.main, [
+        "--device", "cpu", "--precision", "bf16", "--size", "tiny", "--out", tmp_path,
+        "--no-table", "--recipe-systems", gpu_check.STOCK])
+    assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "check.json").read_text())
     assert result["systems"] == {} and result["table"] is False
     k = TINY["recipe_updates"]
@@ -736,4 +741,4 @@ def test_the_recipe_leg_runs_fairseq_train_saves_validates_and_resumes(tmp_path)
     report = (tmp_path / "check.md").read_text()
     assert f"| {gpu_check.STOCK} | 1; `--amp --bf16 --cpu` | 0, 0 | checkpoint_last.pt @ {k} |" \
         in report
-    assert re.search(r"gpu-check.sh: reports in .*; exit status 0; took \d+ s$", proc.stderr)
+    assert re.search(r"gpu-check: took \d+ s$", proc.stderr)

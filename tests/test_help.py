@@ -4,21 +4,19 @@ and the README's "Model flags" table lists exactly the flags the models add."""
 import argparse
 import functools
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 import multipath_nmt  # noqa: F401  (installs the --help fix, registers the models)
-from conftest import ROOT, USER_DIR, run_cli
-
-FAIRSEQ_TRAIN = Path(sys.executable).with_name("fairseq-train")
+from conftest import ROOT, USER_DIR
+from helpers import in_process
 
 
 @functools.lru_cache(maxsize=None)  # one fairseq-train start per command line
 def train_help(*args):
-    cmd = [FAIRSEQ_TRAIN, *args, "--help", "--user-dir", USER_DIR]
-    out = run_cli(cmd).stdout
+    proc = in_process.console_script("fairseq-train", [*args, "--help", "--user-dir", USER_DIR])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
     assert "usage: fairseq-train" in out, out[-2000:]
     return out[out.index("usage: fairseq-train"):]  # after fairseq's import-time log lines
 

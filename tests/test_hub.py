@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_cli, run_command, run_fairseq
+from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_command, run_fairseq, run_tool
 from helpers.training import MODELS, run
 
 MOE_CRITERION = ["--criterion", "label_smoothed_cross_entropy_with_moe"]
@@ -54,12 +54,12 @@ print("HUB " + json.dumps(translations))
 def bpe_data(tmp_path_factory):
     """The quickstart's pipeline at a small size: synthetic corpus, Moses, joint BPE, binarize."""
     root = tmp_path_factory.mktemp("hub")
-    run_cli(["multipath-make-corpus", "--out", root / "raw", "--train", "400", "--valid", "40",
-             "--test", "40", "--seed", "1"])
-    run_cli(["multipath-prepare", "corpus", "--src", "en", "--tgt", "de",
+    run_tool("multipath-make-corpus", "--out", root / "raw", "--train", "400", "--valid", "40",
+             "--test", "40", "--seed", "1")
+    run_tool("multipath-prepare", "corpus", "--src", "en", "--tgt", "de",
              "--train", root / "raw" / "train", "--valid", root / "raw" / "valid",
              "--test", root / "raw" / "test", "--out", root / "data-bin", "--bpe-merges", "200",
-             "--workers", "1"])
+             "--workers", "1")
     return root / "data-bin"
 
 
@@ -74,8 +74,8 @@ def checkpoints(trains, bpe_data, tmp_path_factory):
              "--lr", "0.003", "--max-tokens", "1000", "--max-update", "150",
              "--no-epoch-checkpoints", "--save-dir", str(root / name), "--user-dir", str(USER_DIR)])
         found[name] = (str(root / name), "checkpoint_last.pt")
-    run_cli(["multipath-convert-ewa", root / "ewa" / "checkpoint_last.pt",
-             root / "ewa" / "checkpoint_folded.pt"])
+    run_tool("multipath-convert-ewa", root / "ewa" / "checkpoint_last.pt",
+             root / "ewa" / "checkpoint_folded.pt")
     found["ewa_folded"] = (str(root / "ewa"), "checkpoint_folded.pt")
     return found
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, run_command, script_env, script_python, start_command
+from conftest import ROOT, TINY_MODEL, run_command, script_env, start_command
 from helpers.signals import alive, run_and_signal, worker_of_rank
 from helpers.training import (UPDATE_LOGGED, _fail, assert_same_final_model, free_port, kill_tree,
                               load_model_state, run, run_until_killed, stop)
@@ -52,7 +52,7 @@ FAMILIES = {
 
 
 def gloo_env(gpus):
-    return ["env", f"PYTHON={script_python()}", f"PYTHON_EXEC={script_python()}",
+    return ["env", f"PYTHON={sys.executable}", f"PYTHON_EXEC={sys.executable}",
             f"MULTIPATH_NMT_NUM_GPUS={gpus}", "MULTIPATH_NMT_DDP_ON_CPU=1"]
 
 
@@ -69,6 +69,7 @@ def printed_command(output):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.process
 def test_train_sh_on_two_ranks_trains_stops_on_sigterm_and_resumes_exactly(family, toy_data_bin,
                                                                              tmp_path):
     reference = run(train_sh(toy_data_bin, tmp_path / "uninterrupted", family), timeout=TIMEOUT)
@@ -169,6 +170,7 @@ def test_the_documented_multi_node_command_runs_as_two_launchers(toy_data_bin, t
     assert both.count(f"SIGTERM: stopped after update {stopped_at} ") == 1, both[-6000:]
 
 
+@pytest.mark.process
 def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
     """A SIGTERM that reaches the workers before fairseq-train's handlers are installed (they
     import, build the model, join the rendezvous) kills them (-15): train.sh still exits 143, the
@@ -198,6 +200,7 @@ def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
     assert "Traceback" not in output, output[-6000:]
 
 
+@pytest.mark.process
 def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_path):
     """train.sh's periodic save (sized in minutes; here 0.001 so that the toy batches, 800 tokens
     on 2 ranks, come to 7 updates) writes checkpoint_last.pt within the epoch (19 updates) and
@@ -217,6 +220,7 @@ def test_train_sh_saves_checkpoint_last_mid_epoch_by_default(toy_data_bin, tmp_p
                                                      "train-sh-batch.json"]
 
 
+@pytest.mark.process
 def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_path):
     """kill -9 of train.sh on 2 ranks, with fairseq's default data loading (one worker each) and
     validation: both workers end at once (their parent's death kills them), and the same command
@@ -271,6 +275,7 @@ def _sentences_per_update(output):
     return counts
 
 
+@pytest.mark.process
 def test_a_resume_on_another_number_of_ranks_trains_each_sentence_of_the_epoch_once(
         toy_data_bin, tmp_path):
     """Stopped after update 3 or so on 2 ranks, resumed on 1 and on 4: epoch 1 trains its 300

@@ -16,9 +16,9 @@ import torch
 
 import multipath_nmt  # noqa: F401  (registers adam_fused, installs the patches)
 from helpers.optimizers import build_wrapped
-from conftest import ROOT, run_command
+from conftest import ROOT
 from helpers.training import (SMALL_BATCHES, assert_same_tensors, load_model_state, run,
-                              train_command)
+                              train_command, train_to_its_end)
 from multipath_nmt.benchmark.batches import fake_data_dir, padded_batches
 from multipath_nmt.benchmark.systems import build_trainer_from_argv
 from multipath_nmt.fairseq_patches.mixed_precision import SCALER_STATE
@@ -257,8 +257,8 @@ def test_fairseq_train_amp_bf16_stops_at_a_non_finite_gradient_as_fp32_does(toy_
     for name, precision in (("fp32", []), ("amp-bf16", ["--amp", "--bf16"]),
                             ("amp-cpu", ["--amp"])):
         save = tmp_path / name
-        proc = run_command(train_command(toy_data_bin, save, "baseline", *DIVERGES, *precision),
-                           merge_stderr=True, timeout=180)
+        proc = train_to_its_end(train_command(toy_data_bin, save, "baseline", *DIVERGES, *precision))
+        proc.stdout += proc.stderr
         assert proc.returncode == 1, proc.stdout[-3000:]
         assert "AttributeError" not in proc.stdout
         assert "num_updates=1," in proc.stdout and "num_updates=2," not in proc.stdout, name
@@ -352,6 +352,7 @@ def saved_training_state(save):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_fp16_amp_resume_keeps_the_loss_scale_and_is_bit_exact(toy_data_bin, tmp_path):
     """7 updates, save, resume, 7 more: the weights, Adam's moments and the scaler's state are
     those of 14 uninterrupted updates, to the bit, and the loss scale logged after the resume is

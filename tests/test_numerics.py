@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TRAIN_FLAGS, run_command, run_fairseq
-from helpers.training import SMALL_BATCHES, train_command
+from conftest import TINY_MODEL, TRAIN_FLAGS, run_fairseq
+from helpers.training import SMALL_BATCHES, train_command, train_to_its_end
 
 from multipath_nmt.modules.moe import MoEFeedForward
 from multipath_nmt.modules.multipath import MultiPathEncoderLayer
@@ -118,8 +118,8 @@ def runs(trains, toy_data_bin, tmp_path_factory):
     def start(name):
         save = tmp_path_factory.mktemp(name)
         cmd = train_command(toy_data_bin, save, "baseline", *RUNS[name])
-        proc = run_command(cmd, merge_stderr=True, timeout=180)
-        return proc.returncode, proc.stdout, save
+        proc = train_to_its_end(cmd)
+        return proc.returncode, proc.stdout + proc.stderr, save
 
     return {name: start(name) for name in RUNS}
 

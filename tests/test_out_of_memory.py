@@ -64,6 +64,7 @@ def _micro_batch_line(update, micro_batch, micro_batches, rank=""):
         rf"400\): CUDA out of memory\. Tried to allocate 2\.00 GiB\. {re.escape(REMEDY)}")
 
 
+@pytest.mark.process  # a --user-dir of its own
 def test_out_of_memory_in_a_micro_batch_stops_in_one_line(toy_data_bin, tmp_path):
     """Update 2's second micro-batch (--update-freq 2) does not fit: the run stops there with
     status 1 and one line, instead of dropping the update (in every epoch) and ending with 0."""
@@ -77,6 +78,7 @@ def test_out_of_memory_in_a_micro_batch_stops_in_one_line(toy_data_bin, tmp_path
     assert "num_updates=2" not in output and "num_updates=1" in output  # update 1 trained
 
 
+@pytest.mark.process  # a --user-dir of its own
 def test_out_of_memory_in_the_optimizer_step_stops_in_one_line(toy_data_bin, tmp_path):
     """After the micro-batches (the gradients' reduction, the optimizer step): fairseq re-raised
     it with a traceback; now one line as well."""
@@ -89,6 +91,7 @@ def test_out_of_memory_in_the_optimizer_step_stops_in_one_line(toy_data_bin, tmp
         f"2.00 GiB. {REMEDY}"]
 
 
+@pytest.mark.process
 def test_out_of_memory_on_one_of_two_ranks_stops_both(toy_data_bin, tmp_path):
     """torchrun, 2 gloo ranks: rank 1 runs out of memory in update 2, rank 0 does not. Rank 1
     stops in one line; rank 0, waiting for it in one of DDP's collectives, stops too (no hang:

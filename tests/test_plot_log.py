@@ -1,9 +1,8 @@
 """multipath-plot-log: the loss curves of real fairseq-train logs (simple and json) and the PNG."""
-import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_tool
 
 from multipath_nmt.cli.plot_log import build_parser, plot
 from multipath_nmt.training_log import PlotLogError, parse_log
@@ -41,7 +40,7 @@ def test_log_without_losses_refused(tmp_path):
     with pytest.raises(PlotLogError, match="preprocess.log: no train_inner/train/valid loss lines"):
         parse_log(log)
     out = tmp_path / "curves.png"
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.plot_log", log, "--out", out], check=False)
+    proc = run_tool("multipath-plot-log", log, "--out", out, check=False)
     assert proc.returncode == 1 and "no train_inner/train/valid loss lines" in proc.stderr
     assert not out.exists()
 

@@ -55,6 +55,7 @@ def _resume_and_compare(command, save_dir, updates, reference):
 
 
 @pytest.mark.parametrize("model", ["baseline", "multipath"])
+@pytest.mark.process
 def test_sigterm_at_a_random_update_then_resume_is_bit_exact(model, toy_data_bin, tmp_path):
     at = random.Random(f"sigterm {model}").randint(3, MAX_UPDATE - 6)
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted reference runs alongside
@@ -69,6 +70,7 @@ def test_sigterm_at_a_random_update_then_resume_is_bit_exact(model, toy_data_bin
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])
+@pytest.mark.process
 def test_sigusr1_and_sigint_stop_the_same_way(signum, toy_data_bin, tmp_path):
     command = train_command(toy_data_bin, tmp_path / "stopped", "baseline", *FLAGS)
     code, output = run_and_signal(command, 4, signum)
@@ -76,6 +78,7 @@ def test_sigusr1_and_sigint_stop_the_same_way(signum, toy_data_bin, tmp_path):
     assert "KeyboardInterrupt" not in output
 
 
+@pytest.mark.process
 def test_signals_during_the_save_change_nothing(toy_data_bin, tmp_path):
     """A SIGTERM and a SIGINT arrive while checkpoint_last.pt is being written (after its bytes,
     before its rename): both are logged and ignored, the save completes, and the resume is
@@ -112,6 +115,7 @@ def _ranks_stopped_at(output, save_dir, code):
     return updates
 
 
+@pytest.mark.process
 def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin, tmp_path):
     """SIGTERM reaches rank 1 only (which saves nothing itself): both ranks agree on the update,
     rank 0 saves, both exit 143; the resumed 2-rank run ends where one process with
@@ -134,6 +138,7 @@ def test_two_ranks_stop_after_the_same_update_when_one_is_signalled(toy_data_bin
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.process
 def test_asynchronous_writes_are_awaited_before_the_exit(ranks, toy_data_bin, tmp_path):
     """--write-checkpoints-asynchronously: the stop waits for ioPath's writer threads, as
     fairseq-train does at its end. Without that, one process shut their pool down under them at
@@ -149,6 +154,7 @@ def test_asynchronous_writes_are_awaited_before_the_exit(ranks, toy_data_bin, tm
         _ranks_stopped_at(output, save, code)
 
 
+@pytest.mark.process
 def test_the_stop_names_the_files_it_wrote(toy_data_bin, tmp_path):
     """--write-checkpoints-asynchronously --save-interval-updates 1: fairseq has just saved the
     update the signal stops after, so the stop saves nothing more; its line names the files
@@ -179,6 +185,7 @@ def _syncs_per_update(toy_data_bin, save_dir, patches):
     return [json.loads((save_dir / f"host-syncs-rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.process
 def test_the_stop_decision_adds_no_host_sync_per_update(toy_data_bin, tmp_path):
     """Two ranks: every update makes exactly the host syncs it makes without the preemption patch
     (MULTIPATH_NMT_PATCHES=-preemption), counted by HostSyncCounter over train_step and
@@ -206,6 +213,7 @@ def test_the_stop_decision_adds_no_host_sync_per_update(toy_data_bin, tmp_path):
 FAILING_WRITE = Path(__file__).parent / "helpers" / "train_with_a_failing_write.py"
 
 
+@pytest.mark.process
 def test_sigterm_after_a_failed_asynchronous_write_saves_and_exits_143(toy_data_bin, tmp_path):
     """--write-checkpoints-asynchronously: the background write of checkpoint_last.pt at update 4
     fails once (EIO), then SIGTERM. The failure is one line at once; the save's other file is

@@ -18,8 +18,8 @@ import tarfile
 import threading
 
 import pytest
-from conftest import ROOT, clean_env, run_cli, script_env, script_python, start_command
-from helpers.preloaded_python import kill_tree, process_tree
+from conftest import ROOT, clean_env, run_cli, script_env, start_command
+from helpers.processes import kill_tree
 from helpers.signals import alive
 from fairseq.data import Dictionary, data_utils
 from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
@@ -529,6 +529,7 @@ def test_interrupted_stage_restarts_and_finished_stages_are_skipped(small_corpus
     assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
 
 
+@pytest.mark.process
 def test_two_runs_on_one_work_dir_take_turns(small_corpus, tmp_path):
     """A second multipath-prepare on the work dir of a running one waits for it, saying for whom,
     then skips the text stages the first finished (as the two WMT directions of a pair do)."""
@@ -538,15 +539,12 @@ def test_two_runs_on_one_work_dir_take_turns(small_corpus, tmp_path):
         return [sys.executable, "-m", "multipath_nmt.cli.prepare", *corpus_argv(small_corpus, out),
                 "--work-dir", work]
 
-    # through the shim, a process of its own (the server runs one started command at a time,
-    # the second); the shim stands for the run that the server forks for it, its "holder"
-    first = subprocess.Popen([script_python(), *map(str, command(tmp_path / "a")[1:])], stdout=subprocess.PIPE,
+    first = subprocess.Popen(command(tmp_path / "a"), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=clean_env())
     for line in first.stdout:  # the first run holds the lock once it builds its first stage
         if line.startswith("[raw] building"):
             break
-    # the shim's one child, the command forked for it; the run itself where nothing forks
-    holder = process_tree(first.pid)[1] if script_python() != sys.executable else first.pid
+    holder = first.pid
     os.kill(holder, signal.SIGSTOP)  # and keeps it until the second has started
     resume = threading.Timer(60, os.kill, (holder, signal.SIGCONT))  # should the second not wait
     resume.start()
@@ -745,6 +743,7 @@ def test_unknown_task(capsys, tmp_path):
     assert f"--raw-dir {tmp_path / 'nowhere'} is not a directory" in err
 
 
+@pytest.mark.process
 def test_prepare_wmt_script_exits_non_zero_on_an_unknown_task(tmp_path):
     proc = run_cli(["bash", ROOT / "scripts" / "prepare-wmt.sh", "wmt16_en_ro", "--out", tmp_path / "x"],
                    check=False, env=script_env())
@@ -923,6 +922,7 @@ def test_split_archive_downloaded_in_parts_or_taken_from_raw_dir(tmp_path, serve
 # ------------------------------------------------------------------------------- Multi30k
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_prepare_corpus_script_on_multi30k(multi30k, tmp_path):
     """prepare-corpus.sh on the first 500 lines of each Multi30k split (gzipped inputs)."""
     sample = tmp_path / "m30k"
@@ -985,8 +985,7 @@ def _writers_into(folder):
 
 
 def _run_and_kill(command, stage_label=None, delay=0.0, timeout=300):
-    """Start ``command`` (forked from the preloaded interpreter: a process of its own, without the
-    seconds of a fresh one's imports); once its log says ``[stage_label] building`` (or, for
+    """Start ``command``; once its log says ``[stage_label] building`` (or, for
     ``download``, ``[download] URL``), wait ``delay`` seconds and SIGKILL the main process only
     (its children are not signalled, as with ``kill -9 PID``), and return as soon as it is gone,
     as a shell or a scheduler would. Returns: ``stage`` (whose build was under way at the end),
@@ -1080,6 +1079,7 @@ def test_a_parent_killed_with_sigkill_takes_its_tethered_children_and_grandchild
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_kill_9_at_random_moments_then_rerun_gives_the_same_bytes(tmp_path):
     """multipath-prepare corpus (2 workers) is killed with SIGKILL at a random moment of each
     stage in turn, each time the same command is run again; the last run finishes, and every file
@@ -1154,6 +1154,7 @@ def _without_mtimes(files):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_kill_9_during_downloads_then_rerun_gives_the_same_bytes(tmp_path, fake_release):
     """multipath-prepare wmt through a slow mirror, killed with SIGKILL in the middle of downloads
     and extractions, then run again: the same files, byte for byte, as an uninterrupted run (the

@@ -8,6 +8,7 @@ from conftest import ROOT, run_cli, script_env
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_quickstart_end_to_end(tmp_path, monkeypatch):
     work = tmp_path / "qs"
     env = script_env(QUICKSTART_TRAIN_PAIRS="1500", QUICKSTART_TEST_PAIRS="60",

@@ -4,7 +4,6 @@ import io
 import random
 import shutil
 import subprocess
-import sys
 
 import pytest
 import sacrebleu
@@ -12,6 +11,7 @@ from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from conftest import ROOT, run_cli, script_env
+from helpers import in_process
 
 from multipath_nmt import scoring
 from multipath_nmt.cli.score import build_parser, score
@@ -348,13 +348,18 @@ def test_perl_also_fails_on_empty_hypothesis(tmp_path):
 
 
 def test_console_script_errors(tmp_path):
-    proc = run_cli([sys.executable, "-m", "multipath_nmt.cli.score", "--sys", tmp_path / "nope",
-                    "--ref", tmp_path / "nope"], check=False)
+    proc = in_process.console_script("multipath-score", ["--sys", tmp_path / "nope", "--ref",
+                                                         tmp_path / "nope"])
     assert proc.returncode != 0 and proc.stdout == ""
     assert "nope: reference file not found" in proc.stderr
     hyp, ref = _write(tmp_path, b"a b c d\n", [b"a b c d\n"])
     with pytest.raises(scoring.ScoringError, match="nope: no such file"):
         _ours(tmp_path / "nope", ref)
+
+
+@pytest.mark.process  # the script passes its arguments to $PYTHON's multipath_nmt.cli.score
+def test_score_sh_scores(tmp_path):
+    hyp, ref = _write(tmp_path, b"a b c d\n", [b"a b c d\n"])
     proc = run_cli(["bash", ROOT / "scripts" / "score.sh", "--sys", hyp, "--ref", ref],
                    env=script_env())
     assert proc.stdout.splitlines()[0] == \
@@ -408,9 +413,10 @@ def test_multipath_prepare_writes_raw_references_without_a_byte_order_mark(tmp_p
             (tmp_path / f"{split}.{lang}").write_bytes(
                 b"\xef\xbb\xbf" + "".join(p[column] + "\n" for p in pairs).encode())
     out = tmp_path / "bin"
-    run_cli([sys.executable, "-m", "multipath_nmt.cli.prepare", "corpus", "--src", "en",
-             "--tgt", "de", "--bpe-merges", "60", "--workers", "1", "--out", out,
-             *[arg for s in ("train", "valid", "test") for arg in (f"--{s}", tmp_path / s)]])
+    proc = in_process.console_script("multipath-prepare", [
+        "corpus", "--src", "en", "--tgt", "de", "--bpe-merges", "60", "--workers", "1", "--out",
+        out, *[arg for s in ("train", "valid", "test") for arg in (f"--{s}", tmp_path / s)]])
+    assert proc.returncode == 0, proc.stderr
     expected = "".join(p[1] + "\n" for p in generate({"train": 150, "valid": 20, "test": 20},
                                                      seed=5)["test"])
     assert (out / "test.raw.de").read_text(encoding="utf-8") == expected

@@ -12,8 +12,9 @@ import argparse
 
 import pytest
 import torch
-from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_cli,
-                      run_fairseq)
+from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_fairseq,
+                      run_tool)
+from helpers import in_process
 
 from multipath_nmt.ewa.folding import fold_state_dict
 from multipath_nmt.params import build_model
@@ -127,7 +128,7 @@ def dense_checkpoints(trains, toy_data_bin, toy_learned_baseline_run, toy_ewa_ru
     run_fairseq("train", toy_data_bin, *TRAIN_FLAGS, *DEEP, *FAST_LEARNING, "--save-dir", folder)
     found["deep"] = folder / "checkpoint_last.pt"
     folded = tmp_path_factory.mktemp("folded") / "folded.pt"  # not next to the shared checkpoint
-    run_cli(["multipath-convert-ewa", toy_ewa_run / "checkpoint_last.pt", folded])
+    run_tool("multipath-convert-ewa", toy_ewa_run / "checkpoint_last.pt", folded)
     found["folded ewa"] = folded
     return found
 
@@ -137,7 +138,7 @@ def dense_checkpoints(trains, toy_data_bin, toy_learned_baseline_run, toy_ewa_ru
 def test_dense_models_translate_exactly_like_fairseq_generate(name, ctranslate2, dense_checkpoints,
                                                               toy_data_bin, tmp_path):
     checkpoint = dense_checkpoints[name]
-    run_cli(["multipath-ctranslate2", "convert", checkpoint, toy_data_bin, tmp_path / "ct2"])
+    run_tool("multipath-ctranslate2", "convert", checkpoint, toy_data_bin, tmp_path / "ct2")
     source = [line.split() for line in
               (toy_data_bin.parent / "text" / "test.en").read_text().splitlines()]
     for beam in (1, 4):
@@ -151,15 +152,15 @@ def test_dense_models_translate_exactly_like_fairseq_generate(name, ctranslate2,
 @pytest.mark.slow
 def test_int8_model_and_the_translate_command(ctranslate2, dense_checkpoints, toy_data_bin,
                                               tmp_path):
-    run_cli(["multipath-ctranslate2", "convert", dense_checkpoints["baseline"], toy_data_bin,
-             tmp_path / "int8", "--quantization", "int8"])
+    run_tool("multipath-ctranslate2", "convert", dense_checkpoints["baseline"], toy_data_bin,
+             tmp_path / "int8", "--quantization", "int8")
     source = toy_data_bin.parent / "text" / "test.en"
-    proc = run_cli(["multipath-ctranslate2", "translate", tmp_path / "int8", "--input", source,
-                    "--beam", "4"])
+    proc = run_tool("multipath-ctranslate2", "translate", tmp_path / "int8", "--input", source,
+                    "--beam", "4")
     assert len(proc.stdout.splitlines()) == len(source.read_text().splitlines())
     assert "sentences/s), beam 4, compute type default" in proc.stderr
-    again = run_cli(["multipath-ctranslate2", "convert", dense_checkpoints["baseline"],
-                     toy_data_bin, tmp_path / "int8"], check=False)
+    again = run_tool("multipath-ctranslate2", "convert", dense_checkpoints["baseline"],
+                     toy_data_bin, tmp_path / "int8", check=False)
     assert again.returncode == 1 and "exists (--force overwrites it)" in again.stderr
 
 
@@ -178,8 +179,8 @@ def test_convert_refuses_what_ctranslate2_cannot_express(arch, encoder_ffn, fami
     state["cfg"]["model"].arch = state["cfg"]["model"]._name = arch
     state["cfg"]["model"].encoder_ffn = encoder_ffn
     torch.save(state, tmp_path / "model.pt")
-    proc = run_cli(["multipath-ctranslate2", "convert", tmp_path / "model.pt", toy_data_bin,
-                    tmp_path / "ct2"], check=False)
+    proc = run_tool("multipath-ctranslate2", "convert", tmp_path / "model.pt", toy_data_bin,
+                    tmp_path / "ct2", check=False)
     reason = {**CTRANSLATE2_LIMITS, **MOE_LIMITS}[family]
     assert proc.returncode == 1
     assert proc.stderr.strip() == (f"multipath-ctranslate2: error: {tmp_path / 'model.pt'}: "
@@ -196,12 +197,10 @@ def _ct2(*argv):
 
 
 def _refusal(*argv):
-    """The one line ``multipath-ctranslate2 ARGV`` exits with (status 1: sys.exit of a string)."""
-    with pytest.raises(SystemExit) as exit_info:
-        _ct2(*argv)
-    message = exit_info.value.code
-    assert isinstance(message, str) and "\n" not in message, message
-    return message
+    """The one line ``multipath-ctranslate2 ARGV`` exits with."""
+    from multipath_nmt.cli.ctranslate2 import main
+
+    return in_process.refusal(main, argv)
 
 
 @pytest.fixture

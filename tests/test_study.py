@@ -162,6 +162,7 @@ def _model_counts(checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_study_end_to_end_at_a_toy_budget(multi30k, tmp_path, capsys):
     work, results = tmp_path / "work", tmp_path / "results"
     args = [STUDY_SH, "--data", multi30k, "--work", work, "--results", results,
@@ -711,6 +712,7 @@ def test_the_study_keeps_each_finished_run_and_restores_it_in_a_new_work_folder(
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path):
     # study.sh as a user runs it, one thread per process (script_env): these tiny runs gain
     # nothing from two, which only spin-wait when the machine is busy

@@ -15,6 +15,8 @@ from conftest import (ROOT, TINY_MODEL, USER_DIR, clean_env, dictionaries_only_d
 
 import multipath_nmt  # noqa: F401  (safe checkpoint loading on torch >= 2.6)
 from fairseq import checkpoint_utils
+from helpers import in_process
+from multipath_nmt.cli import recipe_scripts
 
 TRAIN_SH = ROOT / "scripts" / "train.sh"
 
@@ -34,7 +36,7 @@ def fake_data_bin(tmp_path):
     return tmp_path
 
 
-def _dry_run(data_bin, *args, gpus="0", check=True, **env):
+def _dry_run(data_bin, *args, gpus="0", check=True, save="save", **env):
     # GPUs without bfloat16 unless a test says otherwise: what torch answers on a machine
     # without a GPU, given to the recipe so that it need not import torch to ask (2.5 s a run)
     # and the tests read the same on a machine with one (test_precision_auto_asks_the_gpu
@@ -42,9 +44,13 @@ def _dry_run(data_bin, *args, gpus="0", check=True, **env):
     if gpus != "0":
         env.setdefault("MULTIPATH_NMT_BF16", "0")
         env.setdefault("MULTIPATH_NMT_GPU_MEMORY_MIB", CARD_MIB)
-    env = {k: v for k, v in env.items() if v is not None}  # None: leave it unset
-    env = script_env(MULTIPATH_NMT_NUM_GPUS=gpus, **env)
-    return run_cli(["bash", TRAIN_SH, data_bin, "save", *args, "--dry-run"], env=env, check=check)
+    # what train.sh runs (scripts/run-recipe.sh), in this process
+    proc = in_process.call(recipe_scripts.main, ["train.sh", data_bin, save, *args, "--dry-run"],
+                           env={"MULTIPATH_NMT_NUM_GPUS": gpus, "MAX_TOKENS": None, **env})
+    if check and proc.returncode != 0:
+        pytest.fail(f"train.sh {' '.join(map(str, args))} --dry-run exited {proc.returncode}: "
+                    f"{proc.stderr}")
+    return proc
 
 
 def _flags(proc):
@@ -404,9 +410,9 @@ def test_an_arch_without_a_recipe_is_refused_in_one_line(fake_data_bin, tmp_path
     """An arch that the arch table (multipath_nmt/arch_table.py) has no row for (a user's own
     variant, a stock fairseq arch the paper's recipes do not cover) is refused before anything
     runs: it is never given the base model's learning rate and batch."""
-    args = ["bash", TRAIN_SH, fake_data_bin, tmp_path / "save", "--arch", "my_multipath_variant",
+    args = ["train.sh", fake_data_bin, tmp_path / "save", "--arch", "my_multipath_variant",
             *(["--dry-run"] if dry_run else [])]
-    proc = run_cli(args, env=script_env(MULTIPATH_NMT_NUM_GPUS="0"), check=False)
+    proc = in_process.call(recipe_scripts.main, args, env={"MULTIPATH_NMT_NUM_GPUS": "0"})
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr == (
         "train.sh: error: unknown arch 'my_multipath_variant': no recipe for it in "
@@ -420,6 +426,7 @@ def test_missing_data_bin(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process  # the whole script: train.sh becomes fairseq-train
 def test_real_two_update_run(toy_data_bin, tmp_path):
     save_dir = tmp_path / "ckpt"
     proc = run_cli(["bash", TRAIN_SH, toy_data_bin, save_dir, "--arch", "transformer_prenorm_wmt_en_de",
@@ -448,10 +455,8 @@ def test_a_resume_keeps_the_micro_batch_of_the_run_it_resumes(fake_data_bin, tmp
     (save / "train-sh-batch.json").write_text('{"max_tokens": 4096}')
 
     def plan(card_mib="143771"):
-        env = script_env(MULTIPATH_NMT_NUM_GPUS="4", MULTIPATH_NMT_BF16="1",
-                         MULTIPATH_NMT_GPU_MEMORY_MIB=card_mib)
-        proc = run_cli(["bash", TRAIN_SH, fake_data_bin, save, "--arch",
-                        "transformer_prenorm_wmt_en_de", "--dry-run"], env=env)
+        proc = _dry_run(fake_data_bin, "--arch", "transformer_prenorm_wmt_en_de", gpus="4",
+                        save=save, MULTIPATH_NMT_BF16="1", MULTIPATH_NMT_GPU_MEMORY_MIB=card_mib)
         flags = _flags(proc)[1]
         return (flags["--max-tokens"], flags["--update-freq"]), proc.stdout
 
@@ -467,6 +472,7 @@ def test_a_resume_keeps_the_micro_batch_of_the_run_it_resumes(fake_data_bin, tmp
     assert plan("12288")[0] == ("4096", "2")  # 12 GB hold 7,241: the memory's cap
 
 
+@pytest.mark.process  # the scripts' interpreter
 @pytest.mark.parametrize("script", ["train.sh", "translate.sh"])
 def test_an_interpreter_without_the_plugin_is_one_error_line(tmp_path, script):
     bare_python = tmp_path / "bare-python"  # no site-packages: multipath_nmt cannot be imported

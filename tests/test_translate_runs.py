@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import ROOT, run_command, script_env, start_command
-from helpers.preloaded_python import kill_tree, process_tree
+from helpers.processes import kill_tree, process_tree
 
 TRANSLATE_SH = ROOT / "scripts" / "translate.sh"
 WAIT = 180  # s: the longest any condition below is waited for, on a busy machine
@@ -55,8 +55,7 @@ def _alive(pid):
 
 
 def _decoder(pid):
-    """The fairseq-generate process below translate.sh's ``pid`` and its descendants (with the
-    tests' preloaded Python: the shim that stands for it and the command forked for it)."""
+    """The fairseq-generate process below translate.sh's ``pid`` and its descendants."""
     for member in process_tree(pid)[1:]:
         try:
             with open(f"/proc/{member}/cmdline", "rb") as f:
@@ -68,6 +67,7 @@ def _decoder(pid):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_sigterm_to_translate_sh_stops_its_decoder_and_exits_143(toy_baseline_run, toy_data_bin,
                                                                  tmp_path):
     """SIGTERM to translate.sh's pid alone (as a scheduler sends it): fairseq-generate is
@@ -116,6 +116,7 @@ def test_sigterm_to_translate_sh_stops_its_decoder_and_exits_143(toy_baseline_ru
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_a_test_sentence_longer_than_the_models_positions_is_one_line(toy_baseline_run,
                                                                       toy_data_bin, tmp_path):
     """translate.sh refuses a test set with a sentence longer than the model's positions, in

@@ -6,17 +6,21 @@ import sys
 
 import pytest
 
-from conftest import ROOT, USER_DIR, run_cli, script_env
-
-TRANSLATE_SH = ROOT / "scripts" / "translate.sh"
+from conftest import ROOT, USER_DIR, run_cli
+from helpers import in_process
+from multipath_nmt.cli import recipe_scripts
 
 
 def _dry_run(tmp_path, *args, gpus, check=True):
     checkpoint = tmp_path / "checkpoint.pt"
     checkpoint.write_bytes(b"")  # --dry-run only checks that it exists
-    env = script_env(MULTIPATH_NMT_NUM_GPUS=gpus)
-    return run_cli(["bash", TRANSLATE_SH, tmp_path, checkpoint, tmp_path / "out", *args,
-                    "--dry-run"], env=env, check=check)
+    # what translate.sh runs (scripts/run-recipe.sh), in this process
+    proc = in_process.call(recipe_scripts.main, ["translate.sh", tmp_path, checkpoint,
+                                                 tmp_path / "out", *args, "--dry-run"],
+                           env={"MULTIPATH_NMT_NUM_GPUS": gpus})
+    if check and proc.returncode != 0:
+        pytest.fail(f"translate.sh --dry-run exited {proc.returncode}: {proc.stderr}")
+    return proc
 
 
 def _words(proc):
@@ -50,9 +54,10 @@ def test_bad_gpu_count(tmp_path):
     assert "MULTIPATH_NMT_NUM_GPUS must be a number, got 'two'" in proc.stderr
 
 
+@pytest.mark.process  # translate.sh's own check, before its Python
 def test_translate_sh_missing_checkpoint(tmp_path):
-    proc = run_cli(["bash", TRANSLATE_SH, tmp_path, tmp_path / "none.pt", tmp_path / "out"],
-                   check=False)
+    proc = run_cli(["bash", ROOT / "scripts" / "translate.sh", tmp_path, tmp_path / "none.pt",
+                    tmp_path / "out"], check=False)
     assert proc.returncode == 1 and "none.pt: no such checkpoint" in proc.stderr
     assert not list(tmp_path.iterdir())
 
@@ -140,8 +145,9 @@ def test_an_out_prefix_in_a_folder_that_refuses_writes_is_one_line(tmp_path, mon
 def test_translate_sh_with_a_missing_out_folder_says_so_in_one_line(tmp_path):
     checkpoint = tmp_path / "checkpoint.pt"
     checkpoint.write_bytes(b"")
-    proc = run_cli(["bash", TRANSLATE_SH, tmp_path, checkpoint, tmp_path / "results" / "mp"],
-                   env=script_env(MULTIPATH_NMT_NUM_GPUS="0"), check=False)
+    proc = in_process.call(recipe_scripts.main, ["translate.sh", tmp_path, checkpoint,
+                                                 tmp_path / "results" / "mp"],
+                           env={"MULTIPATH_NMT_NUM_GPUS": "0"})
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == (f"translate.sh: error: OUT_PREFIX {tmp_path}/results/mp: its folder "
                            f"{tmp_path}/results does not exist: create it (mkdir -p "

@@ -4,7 +4,7 @@ import os
 import threading
 
 from conftest import start_command
-from helpers.preloaded_python import process_tree
+from helpers.processes import process_tree
 from helpers.training import UPDATE_LOGGED, _fail, kill_tree, stop
 
 

@@ -16,7 +16,8 @@ import torch
 
 from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, fail_unless_marked_slow,
                       run_command, start_command)
-from helpers.preloaded_python import kill_tree
+from helpers import in_process
+from helpers.processes import kill_tree
 
 UPDATE_LOGGED = re.compile(r"num_updates=(\d+)")
 CHECKPOINT_SAVED = re.compile(r"Saved checkpoint \S+ \(epoch \d+ @ \d+ updates")
@@ -53,11 +54,17 @@ def _fail(cmd, what_happened, output):
 
 def run(cmd, timeout=180, env=None):
     """Run to completion; fail the test with the output on a non-zero exit or a timeout (which
-    kills the whole process tree, torchrun workers included). Returns the output."""
-    try:
-        proc = run_command(cmd, env=env, timeout=timeout, merge_stderr=True)
-    except subprocess.TimeoutExpired as timed_out:
-        _fail(cmd, f"was killed after a {timeout} s timeout", timed_out.output or "")
+    kills the whole process tree, torchrun workers included). Returns the output (stdout, then
+    stderr). A fairseq-train command (:func:`train_command`) without ``env`` runs in this
+    process (:func:`helpers.in_process.fairseq`); any other command starts a process."""
+    if cmd[1:3] == ["-m", "fairseq_cli.train"] and env is None:
+        proc = in_process.fairseq("train", cmd[3:])
+        proc.stdout += proc.stderr
+    else:
+        try:
+            proc = run_command(cmd, env=env, timeout=timeout, merge_stderr=True)
+        except subprocess.TimeoutExpired as timed_out:
+            _fail(cmd, f"was killed after a {timeout} s timeout", timed_out.output or "")
     output = proc.stdout
     if proc.returncode != 0:
         _fail(cmd, f"exited {proc.returncode}", output)
@@ -65,10 +72,17 @@ def run(cmd, timeout=180, env=None):
     return output
 
 
+def train_to_its_end(cmd):
+    """A fairseq-train command (:func:`train_command`) run in this process whatever its exit,
+    for a test of how it ends: a ``subprocess.CompletedProcess``."""
+    assert cmd[1:3] == ["-m", "fairseq_cli.train"], cmd[:3]
+    return in_process.fairseq("train", cmd[3:])
+
+
 def stop(proc):
     """Close the output of a command from ``start_command``. One not yet waited for (the test
     failed while reading it) is first killed with its children and waited for: nothing trains
-    on, and the preloaded server is free for the next command."""
+    on."""
     if proc.returncode is None:
         kill_tree(proc.pid)
         proc.stdout.read()
