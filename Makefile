@@ -53,8 +53,8 @@ $(VENV)/.installed: pyproject.toml
 # The import contracts (.importlinter, docs/architecture.md) first: they take a second.
 # --no-cache: no .import_linter_cache directory in the checkout.
 # --durations: the 15 slowest steps close every run, so the time sinks stay in sight.
-# JOBS worker processes of one thread each (pytest-xdist): most tests wait on single-threaded
-# fairseq processes, so one worker per core keeps both cores busy. --dist loadscope keeps a
+# JOBS worker processes of one thread each (pytest-xdist), one per core: the tests train and
+# decode in their own process (tests/helpers/in_process.py). --dist loadscope keeps a
 # module's tests on one worker, so a module's trained fixtures are built once; the session's
 # are built once for all workers (built_once in tests/conftest.py).
 DURATIONS ?= --durations=15
@@ -85,7 +85,7 @@ bench: install
 	multipath-bench --out results/bench
 
 clean:
-	rm -rf $(VENV) .venv-onnx work results
+	rm -rf $(VENV) .venv-onnx .venv313 work results
 
 # `make gpu-carry`: .gpu-carry/, what a bare GPU machine (a CUDA torch, no network, no fairseq)
 # needs to install fairseq and the GPU tools' dependencies offline, for the device tool's carry
