@@ -279,6 +279,7 @@ def test_parameternet_systems_build_the_mode_their_name_says(name, layer):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+@pytest.mark.process  # fresh interpreters: this process's heap is the suite's
 def test_keep_freed_memory_stops_page_faulting_large_tensors_in_anew():
     """A 64 MiB tensor freed and allocated again costs a fresh mmap and ~16k minor page faults
     every time with glibc's defaults; once freed memory stays in the heap, ten allocations fault

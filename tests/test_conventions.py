@@ -53,6 +53,7 @@ def test_console_tools_refuse_an_unknown_option_in_one_line(name, capsys):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.process  # the scripts' own --help
 def test_scripts_print_their_usage_on_stdout_for_help(script):
     proc = subprocess.run(["bash", ROOT / "scripts" / script, "--help"], capture_output=True,
                           text=True, env=script_env(), cwd=ROOT, timeout=120)
@@ -61,6 +62,7 @@ def test_scripts_print_their_usage_on_stdout_for_help(script):
     assert proc.stderr in ("", "score.sh: multipath-score --help\n")
 
 
+@pytest.mark.process
 def test_quickstart_refuses_an_option_in_one_line(tmp_path):
     proc = subprocess.run(["bash", ROOT / "scripts" / "quickstart.sh", "--fast"],
                           capture_output=True, text=True, env=script_env(), cwd=tmp_path)
@@ -86,6 +88,7 @@ def test_fairseq_refuses_a_bad_command_line_in_one_line(tool, argv, capsys):
     assert err.count("\n") == 1 and err.endswith(" (--help lists the options)\n"), err
 
 
+@pytest.mark.process  # a fresh interpreter's output
 def test_a_tools_fresh_interpreter_prints_only_its_one_line():
     """No INFO line of the plug-in's import before the tool's own (fairseq's speech modules turn
     INFO logging on when fairseq is imported)."""

@@ -75,6 +75,7 @@ def bare_python(tmp_path_factory):
     return venv / "bin" / "python"
 
 
+@pytest.mark.process  # other interpreters' venvs
 def test_a_python_without_fairseq_installs_it_from_the_carry_with_no_index(tmp_path, bare_python):
     carry = tmp_path / "carry"
     carry.mkdir()
@@ -124,6 +125,7 @@ def test_both_scripts_install_from_the_carry_before_they_run():
                     reason="needs `make gpu-carry` and GPU_CARRY_TEST_PYTHONS (interpreters whose "
                            "environment holds only torch, numpy and scikit-learn)")
 @pytest.mark.parametrize("python", os.environ.get("GPU_CARRY_TEST_PYTHONS", "").split() or [None])
+@pytest.mark.process
 def test_the_real_carry_installs_offline_and_imports_fairseq_and_the_gpu_tools(tmp_path, python):
     listed = [str(python), "-m", "pip", "list", "--format", "freeze"]
     before = subprocess.run(listed, capture_output=True, text=True, check=True).stdout

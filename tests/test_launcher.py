@@ -114,6 +114,7 @@ def slurm_command():
     return line[0][len("srun "):]
 
 
+@pytest.mark.process
 def test_the_documented_multi_node_command_runs_as_two_launchers(toy_data_bin, tmp_path):
     """Two nodes of one process each (SLURM's srun starts train.sh once per node), a c10d
     rendezvous on this machine; a SIGTERM to one node's train.sh stops both nodes after the same

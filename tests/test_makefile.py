@@ -7,7 +7,8 @@ import subprocess
 import pytest
 from conftest import ROOT
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+pytestmark = [pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine"),
+              pytest.mark.process]  # make's own logic
 
 
 def fake_pythons(folder, versions):

@@ -1057,6 +1057,7 @@ time.sleep(30)
 
 
 @pytest.mark.parametrize("tethered", [True, False], ids=["tethered", "untethered"])
+@pytest.mark.process
 def test_a_parent_killed_with_sigkill_takes_its_tethered_children_and_grandchildren_along(tethered):
     """tether_children(): once the parent is killed with SIGKILL (nothing is sent to the others),
     its forked child and that child's forked grandchild end within a second; untethered, both
