@@ -90,24 +90,24 @@ def start_command(args, env=None):
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def run_cli(args, check=True, env=None, cwd=None, timeout=600):
-    """Run a command; on an unexpected exit code fail with its output."""
-    proc = run_command(args, env=env, cwd=cwd, timeout=timeout)
+def _checked(proc, command, check):
+    """``proc``; with ``check``, fail the test with its output unless it exited 0."""
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, args))} exited {proc.returncode}\n"
+        pytest.fail(f"{' '.join(map(str, command))} exited {proc.returncode}\n"
                     f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+def run_cli(args, check=True, env=None, cwd=None, timeout=600):
+    """Run a command; on an unexpected exit code fail with its output."""
+    return _checked(run_command(args, env=env, cwd=cwd, timeout=timeout), args, check)
 
 
 def run_tool(name, *args, check=True, env=None):
     """The console script ``name`` (``multipath-score``) with ``args``, in this process
     (:func:`helpers.in_process.console_script`; ``env``: variables set for the run); on an
     unexpected exit code fail with its output."""
-    proc = in_process.console_script(name, args, env=env)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{name} {' '.join(map(str, args))} exited {proc.returncode}\n"
-                    f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
-    return proc
+    return _checked(in_process.console_script(name, args, env=env), [name, *args], check)
 
 
 def run_fairseq(tool, *args, check=True, env=None, user_dir=True):
@@ -116,10 +116,7 @@ def run_fairseq(tool, *args, check=True, env=None, user_dir=True):
     (:func:`helpers.in_process.fairseq`; ``env``: variables set for the run); on an unexpected
     exit code fail with its output."""
     args = [*args, "--user-dir", USER_DIR] if user_dir else list(args)
-    proc = in_process.fairseq(tool, args, env=env)
-    if check and proc.returncode != 0:
-        pytest.fail(f"fairseq-{tool} {' '.join(map(str, args))} exited {proc.returncode}\n"
-                    f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    proc = _checked(in_process.fairseq(tool, args, env=env), [f"fairseq-{tool}", *args], check)
     if tool == "train":
         fail_unless_marked_slow(proc.stdout + proc.stderr, "fairseq-train")
     return proc

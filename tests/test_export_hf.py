@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
-from conftest import FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_fairseq
+from conftest import (FAST_LEARNING, TINY_MODEL, TRAIN_FLAGS, generate_hypotheses, run_fairseq,
+                      run_tool)
 from helpers import in_process
 
 from multipath_nmt.ewa.folding import fold_state_dict
@@ -49,10 +50,7 @@ def _offline(monkeypatch, tmp_path_factory):
 
 def export_cli(*args, check=True):
     """``multipath-export-hf ARGS...`` in this process."""
-    proc = in_process.console_script("multipath-export-hf", args)
-    if check and proc.returncode != 0:
-        pytest.fail(f"multipath-export-hf exited {proc.returncode}: {proc.stderr[-4000:]}")
-    return proc
+    return run_tool("multipath-export-hf", *args, check=check)
 
 
 # --- teacher-forced logits ------------------------------------------------------------------
