@@ -26,7 +26,7 @@
 # recipe leg and the 2-GPU runs on train and valid); default: synthetic sentences of varied
 # length. --no-bench skips multipath-bench. Other arguments go to `python -m
 # multipath_nmt.cli.gpu_check` (see its --help).
-# Time on one H200 (docs/gpu.md): the table 121 s, the recipe leg 128 s.
+# Time on one H200: docs/bench/gpu-check-h200.md (the table) and gpu-check-recipe-h200.md.
 # Exit status: 0 when every system passed, 3 when one failed to run or failed a check (check.md
 # says which and why), anything else when the check did not run. The last line says how long it
 # took. PYTHON selects the interpreter (default: python); where it has no fairseq (a bare GPU

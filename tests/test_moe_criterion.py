@@ -91,9 +91,9 @@ def test_reduce_metrics_hand_example():
 
 
 def test_reduce_metrics_reads_nothing_from_the_device(toy_data_bin):
-    """The first GPU run (docs/gpu.md) counted 7 syncs per update in reduce_metrics, one per
-    logged key; one device-to-host copy of them all came next (one sync per update more than
-    stock fairseq); now the statistics stay tensors in fairseq's meters, read when it logs."""
+    """reduce_metrics reads nothing from the device: the statistics stay tensors in fairseq's
+    meters, read when it logs. A read per logged key is 7 host syncs per update, and one copy of
+    them all still one more than stock fairseq (docs/history.md, 2026-11-27)."""
     _, model, criterion, sample = build(toy_data_bin, "widenet_transformer_wmt_en_de",
                                         *CRITERION)
     logs = [criterion(model, sample)[2] for _ in range(2)]  # two micro-batches

@@ -33,8 +33,8 @@ KERNELS = {
 
 def flash_attention_verdict(params) -> Union[bool, str]:
     """True where flash attention can run on these ``torch.backends.cuda.SDPAParams``; else why
-    not, in torch's words (the warnings of ``can_use_flash_attention(params, debug=True)``). The
-    first GPU run (docs/gpu.md) saw False at every call site without the reason."""
+    not, in torch's words (the warnings of ``can_use_flash_attention(params, debug=True)``): a
+    bare False at a call site does not say what to change."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         allowed = torch.backends.cuda.can_use_flash_attention(params, debug=True)

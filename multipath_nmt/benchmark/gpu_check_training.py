@@ -93,9 +93,8 @@ def train_and_watch(trainer, batches, steps, warmup_steps, device, count_syncs=N
     the loss scale), its loss and the loss scale after it. After the first ``warmup_steps``, the
     next ``sync_steps`` count the synchronizations (``count_syncs``, a ``SyncWarnings``-like
     context; else they only train), and the steps after them are timed. Apart, so that counting
-    (a Python warning per sync) does not weigh on the clock: in the first GPU run, which timed
-    the counted steps, the bf16 steps of the first two systems ran at 14% and 42% of the
-    tokens/s of their uncounted fp32 steps (docs/gpu.md)."""
+    (a Python warning per sync) does not weigh on the clock: timed while counted, bf16 steps
+    ran at a fraction of their speed (docs/history.md, 2026-11-27)."""
     scale = loss_scale_reader(trainer.optimizer)
     initial = scale()
     log = dict(initial_loss_scale=None if initial is None else float(initial), losses=[],
