@@ -21,11 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (TINY_MODEL, TRAIN_FLAGS, clean_env, copy_run, run_fairseq,
-                      start_command)
+from conftest import TINY_MODEL, TRAIN_FLAGS, clean_env, copy_run, run_fairseq
 from helpers import in_process
-from helpers.training import (SMALL_BATCHES, assert_same_tensors, load_model_state, run, train_command,
-                              train_to_its_end)
+from helpers.training import (SMALL_BATCHES, UPDATE_LOGGED, assert_same_tensors, load_model_state,
+                              read_until, run, started, train_command, train_to_its_end)
 
 from multipath_nmt import checkpoint_io
 from multipath_nmt.checkpoint_io import dictionaries, reading, writing
@@ -328,18 +327,15 @@ def test_a_second_run_on_a_live_save_dir_is_refused(run_dir, toy_data_bin, tmp_p
 
     save = tmp_path / "ckpt"
     shutil.copytree(run_dir, save)
-    first = start_command(train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 1000))
-    try:
-        for line in first.stdout:  # it resumed and holds the save dir
-            if "num_updates=" in line:
-                break
+    command = train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES, "--max-update", 1000)
+    with started(command, 300) as first:
+        read_until(first, command, UPDATE_LOGGED.search, "an update")  # it holds the save dir
         os.kill(first.pid, signal.SIGSTOP)  # writes nothing while the second tries
         before = {p.name: _digest(p) for p in save.iterdir()}
         second = subprocess.run([*train_command(toy_data_bin, save, "baseline", *SMALL_BATCHES,
                                                       "--max-update", RUN_UPDATES + 1)],
                                 capture_output=True, text=True, env=clean_env(), timeout=300)
         assert {p.name: _digest(p) for p in save.iterdir()} == before
-    finally:
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
     assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]

@@ -12,17 +12,16 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import (TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_command, run_fairseq,
-                      start_command)
-from helpers.processes import kill_tree, process_tree
+from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, run_command, run_fairseq
+from helpers.processes import process_tree
 from helpers.signals import alive, run_and_signal
-from helpers.training import MODELS, SMALL_BATCHES, UPDATE_LOGGED, load_model_state, stop
+from helpers.training import (MODELS, SMALL_BATCHES, UPDATE_LOGGED, load_model_state,
+                              read_until, started)
 
 from multipath_nmt.fairseq_patches.save_dirs import LOCK
 from multipath_nmt.folder_locks import SAVE_DIR_FILES, FolderLock
@@ -115,22 +114,21 @@ def test_the_work_dir_lock_dies_with_its_holder_though_a_forked_child_lives(tmp_
     from multipath_nmt.pipeline.stages import LOCK as WORK_DIR_LOCK
 
     work, release = tmp_path / "work", tmp_path / "release"
-    holder = start_command([sys.executable, "-c", HOLDER_WITH_A_CHILD, work, release])
     child = None
-    try:
-        child = int(holder.stdout.readline())
-        assert not _open_on(child, work / WORK_DIR_LOCK)
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait()
-        assert alive(child)
-        # a lock the child kept would refuse this, naming the dead holder
-        _lock_is_free(work / WORK_DIR_LOCK)
-        assert alive(child)  # so the lock was free while the child lived
-    finally:
-        release.touch()
-        if child is not None:
-            assert _wait_until_gone([child]) == []
-        stop(holder)
+    with started([sys.executable, "-c", HOLDER_WITH_A_CHILD, work, release], 300) as holder:
+        try:
+            child = int(holder.stdout.readline())
+            assert not _open_on(child, work / WORK_DIR_LOCK)
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+            assert alive(child)
+            # a lock the child kept would refuse this, naming the dead holder
+            _lock_is_free(work / WORK_DIR_LOCK)
+            assert alive(child)  # so the lock was free while the child lived
+        finally:
+            release.touch()
+            if child is not None:
+                assert _wait_until_gone([child]) == []
 
 
 def test_a_forked_child_forgets_the_lock_and_cannot_remove_its_file(tmp_path):
@@ -169,18 +167,8 @@ def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_b
     process."""
     save = tmp_path / "ckpt"
     command = default_train_command(toy_data_bin, save, "--max-update", 100000)
-    first = start_command(command)
-    watchdog = threading.Timer(300, kill_tree, (first.pid,))  # should it never train
-    watchdog.start()
-    try:
-        lines = []
-        for line in first.stdout:
-            lines.append(line)
-            if UPDATE_LOGGED.search(line):
-                break
-        else:
-            pytest.fail("".join(lines)[-4000:])
-        watchdog.cancel()
+    with started(command, timeout=300) as first:
+        read_until(first, command, UPDATE_LOGGED.search, "an update")
         loaders = process_tree(first.pid)[1:]
         assert loaders, "no data-loader worker"  # fairseq's default --num-workers 1
         assert [pid for pid in loaders if _open_on(pid, save / LOCK)] == []
@@ -188,9 +176,6 @@ def test_fairseq_train_killed_with_sigkill_frees_its_save_dir_at_once(toy_data_b
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
         _lock_is_free(save / LOCK)
-    finally:
-        watchdog.cancel()
-        stop(first)
     again = run_command(default_train_command(toy_data_bin, save, "--max-update", 1),
                         merge_stderr=True, timeout=300)
     assert again.returncode == 0 and "is in use by" not in again.stdout, again.stdout[-4000:]
@@ -297,19 +282,9 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
                 str(toy_data_bin), str(save), "--arch", BASELINE, *TINY_ARGS, *map(str, extra)]
 
     first_command = train_sh("--max-update", 100000, "--save-interval-updates", 2)
-    first = start_command(first_command)
-    watchdog = threading.Timer(300, kill_tree, (first.pid,))  # should it never save
-    watchdog.start()
-    try:
-        lines, saved = [], False
-        for line in first.stdout:
-            lines.append(line)
-            saved = saved or "Saved checkpoint" in line
-            if saved and UPDATE_LOGGED.search(line):
-                break
-        else:
-            pytest.fail("".join(lines)[-4000:])
-        watchdog.cancel()
+    with started(first_command, timeout=300) as first:
+        read_until(first, first_command, lambda line: "Saved checkpoint" in line, "a save")
+        read_until(first, first_command, UPDATE_LOGGED.search, "an update after its save")
         holder = _lock_holder_pid(save)
         os.kill(holder, signal.SIGSTOP)  # writes nothing while the second tries
         try:
@@ -319,11 +294,6 @@ def test_a_refused_train_sh_leaves_the_first_run_able_to_resume(toy_data_bin, tm
             after = _digests(save)
         finally:
             os.kill(holder, signal.SIGCONT)
-        kill_tree(first.pid)
-        first.wait()
-    finally:
-        watchdog.cancel()
-        stop(first)
     assert after == before
     assert second.returncode == 1 and "Traceback" not in second.stdout, second.stdout[-4000:]
     assert second.stdout.strip().splitlines()[-1].startswith(

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, run_command, script_env, start_command
+from conftest import ROOT, TINY_MODEL, run_command, script_env
 from helpers.signals import alive, run_and_signal, worker_of_rank
 from helpers.training import (UPDATE_LOGGED, _fail, assert_same_final_model, free_port, kill_tree,
-                              load_model_state, run, run_until_killed, stop)
+                              load_model_state, read_until, run, run_until_killed, started)
 
 pytestmark = pytest.mark.slow
 
@@ -177,10 +177,7 @@ def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
     import, build the model, join the rendezvous) kills them (-15): train.sh still exits 143, the
     status a scheduler's requeue script reads as "stopped by the signal"."""
     command = train_sh(toy_data_bin, tmp_path / "ckpt", "baseline")
-    proc = start_command(command)
-    watchdog = threading.Timer(TIMEOUT, kill_tree, (proc.pid,))
-    watchdog.start()
-    try:
+    with started(command, TIMEOUT) as proc:
         while True:  # both workers exist: the signal is passed on to them
             try:
                 [worker_of_rank(proc.pid, rank) for rank in range(2)]
@@ -191,9 +188,6 @@ def test_sigterm_while_the_workers_start_exits_143(toy_data_bin, tmp_path):
         proc.send_signal(signal.SIGTERM)
         output = proc.stdout.read()
         code = proc.wait()
-    finally:
-        watchdog.cancel()
-        stop(proc)
     assert code == 143, output[-6000:]
     assert "num_updates=" not in output  # it stopped before training
     assert "train.sh: SIGTERM while the workers were starting: they stopped before training, " \
@@ -237,31 +231,21 @@ def test_train_sh_killed_with_sigkill_takes_its_workers_along(toy_data_bin, tmp_
     command = ["env", f"PYTHON={sys.executable}", "MULTIPATH_NMT_NUM_GPUS=2",
                "MULTIPATH_NMT_DDP_ON_CPU=1", "bash", str(TRAIN_SH), str(toy_data_bin),
                str(tmp_path / "ckpt"), *FAMILIES["baseline"], *flags]
-    proc = start_command(command)  # env execs bash, which execs the launcher: proc.pid is it
-    watchdog = threading.Timer(TIMEOUT, kill_tree, (proc.pid,))  # should it never train
-    watchdog.start()
     workers = []
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if UPDATE_LOGGED.search(line):
-                break
-        else:
-            _fail(command, "logged no update", "".join(lines))
-        watchdog.cancel()
-        workers = [worker_of_rank(proc.pid, rank) for rank in range(2)]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        deadline = time.monotonic() + 60  # they go within milliseconds
-        while any(map(alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(map(alive, workers)), "the workers train on without train.sh"
-    finally:
-        watchdog.cancel()
-        for pid in filter(alive, workers):
-            os.kill(pid, signal.SIGKILL)
-        stop(proc)
+    # env execs bash, which execs the launcher: proc.pid is it
+    with started(command, TIMEOUT) as proc:
+        try:
+            read_until(proc, command, UPDATE_LOGGED.search, "an update")
+            workers = [worker_of_rank(proc.pid, rank) for rank in range(2)]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            deadline = time.monotonic() + 60  # they go within milliseconds
+            while any(map(alive, workers)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(map(alive, workers)), "the workers train on without train.sh"
+        finally:
+            for pid in filter(alive, workers):
+                os.kill(pid, signal.SIGKILL)
     code, output = run_and_signal(command, 1, signal.SIGTERM, timeout=TIMEOUT)
     assert code == 143 and "is in use by" not in output, output[-6000:]
 

@@ -1,11 +1,9 @@
 """Send a signal to ``fairseq-train`` (or one worker of a ``torchrun`` job) once it has logged a
 given update, and let it finish on its own."""
 import os
-import threading
 
-from conftest import start_command
 from helpers.processes import process_tree
-from helpers.training import UPDATE_LOGGED, _fail, kill_tree, stop
+from helpers.training import UPDATE_LOGGED, _fail, started
 
 
 def alive(pid):
@@ -34,11 +32,8 @@ def run_and_signal(cmd, at_update, signum, rank=None, timeout=240):
     """Start ``cmd``, send ``signum`` once it logs update ``at_update`` (to the worker of
     ``rank`` under torchrun, else to the process itself), let it exit; return (status, output).
     The signal lands a few updates later on a busy machine: read the checkpoint for the update."""
-    proc = start_command(cmd)
-    watchdog = threading.Timer(timeout, kill_tree, (proc.pid,))
-    watchdog.start()
     lines, sent = [], False
-    try:
+    with started(cmd, timeout) as proc:
         for line in proc.stdout:
             lines.append(line)
             logged = UPDATE_LOGGED.search(line)
@@ -46,12 +41,8 @@ def run_and_signal(cmd, at_update, signum, rank=None, timeout=240):
                 os.kill(proc.pid if rank is None else worker_of_rank(proc.pid, rank), signum)
                 sent = True
         proc.wait()
-    finally:
-        timed_out = watchdog.finished.is_set()
-        watchdog.cancel()
-        stop(proc)
     output = "".join(lines)
-    if timed_out:
+    if proc.timed_out:
         _fail(cmd, f"was killed after a {timeout} s timeout", output)
     if not sent:
         _fail(cmd, f"exited {proc.returncode} before update {at_update}", output)

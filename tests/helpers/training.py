@@ -3,6 +3,7 @@
 Every run is single-threaded (``clean_env``) so CPU results are bit-reproducible, and every
 subprocess has a hard timeout so a hung run fails the test instead of the CI job.
 """
+import contextlib
 import re
 import signal
 import socket
@@ -90,6 +91,34 @@ def stop(proc):
     proc.stdout.close()
 
 
+@contextlib.contextmanager
+def started(cmd, timeout, env=None):
+    """``cmd`` started (``start_command``, its output merged on ``proc.stdout``) for a test to
+    read and signal; should it outlive ``timeout`` seconds, a watchdog kills it with its children
+    (``proc.timed_out`` says so afterwards), so a hung run fails the test, not the CI job. At the
+    end it is stopped (:func:`stop`)."""
+    proc = start_command(cmd, env=env)
+    watchdog = threading.Timer(timeout, kill_tree, (proc.pid,))
+    watchdog.start()
+    try:
+        yield proc
+    finally:
+        proc.timed_out = watchdog.finished.is_set()  # set only if it fired
+        watchdog.cancel()
+        stop(proc)
+
+
+def read_until(proc, cmd, found, awaited):
+    """``proc``'s output lines up to the first of which ``found(line)`` is true; the test fails
+    with the output when it ends first (``awaited``: what it never printed)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if found(line):
+            return lines
+    _fail(cmd, f"ended (status {proc.wait()}) before {awaited}", "".join(lines))
+
+
 def run_until_killed(cmd, kill_at_update, timeout=180):
     """Start ``cmd`` and SIGKILL it (with any workers) as soon as it logs update
     ``kill_at_update`` after a checkpoint save.
@@ -97,11 +126,9 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
     Returns the output. Killing on a log line makes the moment deterministic up to the few
     updates the child may run before the signal lands (read the checkpoint for the update count).
     """
-    proc = start_command(cmd)
-    watchdog = threading.Timer(timeout, kill_tree, (proc.pid,))
-    watchdog.start()
-    lines, saved, killed = [], False, False
-    try:
+    lines, killed = [], False
+    with started(cmd, timeout) as proc:
+        saved = False
         for line in proc.stdout:
             lines.append(line)
             saved = saved or CHECKPOINT_SAVED.search(line) is not None
@@ -112,12 +139,8 @@ def run_until_killed(cmd, kill_at_update, timeout=180):
                 break
         proc.stdout.read()  # drain what was written before the kill landed
         proc.wait()
-    finally:
-        timed_out = watchdog.finished.is_set()  # set here only if it fired
-        watchdog.cancel()
-        stop(proc)
     output = "".join(lines)
-    if timed_out:
+    if proc.timed_out:
         _fail(cmd, f"was killed after a {timeout} s timeout", output)
     if not killed or proc.returncode != -signal.SIGKILL:
         _fail(cmd, f"exited {proc.returncode} before it was killed after a checkpoint save",
