@@ -16,8 +16,11 @@ import importlib
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
+import weakref
 from importlib import metadata
 
 import pytest
@@ -78,6 +81,51 @@ def _root_logger_on(stream):
         root.handlers[:], root.level = saved
 
 
+@contextlib.contextmanager
+def _loaders_stopped_at_the_end():
+    """The data-loader workers that the command forks (fairseq's default ``--num-workers 1``)
+    stopped when it ends, as its process's exit stops them. Left to the garbage collector, each
+    loader's end waits torch's 5 s timeout for a worker whose queue the collector has already
+    closed, in whatever later test collects it."""
+    from torch.utils.data import dataloader
+
+    started = weakref.WeakSet()
+    iterator = dataloader._MultiProcessingDataLoaderIter
+    init = iterator.__init__
+
+    def recording(self, *args, **kwargs):
+        started.add(self)
+        init(self, *args, **kwargs)
+
+    iterator.__init__ = recording
+    try:
+        yield
+    finally:
+        iterator.__init__ = init
+        for loader in list(started):
+            if getattr(loader, "_workers", None) is not None:
+                loader._shutdown_workers()
+
+
+@contextlib.contextmanager
+def _signal_handlers_restored():
+    """The handlers of the signals that fairseq-train's preemption patch takes, as they were
+    before the command, and the patch's record of a run cleared: they last until a fairseq-train
+    process exits, and a process forked from here later (a tokenizer pool's worker) would ignore
+    the SIGTERM that ends it, so the pool's end would wait for it for ever."""
+    from multipath_nmt.fairseq_patches import preemption
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved = {signum: signal.getsignal(signum) for signum in preemption.SIGNALS}
+    try:
+        yield
+    finally:
+        if main_thread:
+            for signum, handler in saved.items():
+                signal.signal(signum, handler)
+        preemption._state = preemption._State()
+
+
 def _run(program, entry, argv, env=None, cwd=None, fairseq_logging=None):
     """``entry(argv)`` with ``sys.argv`` ``[program, *argv]``; ``fairseq_logging``: the
     fairseq_cli module's name (its root logger), None for our tools."""
@@ -85,7 +133,7 @@ def _run(program, entry, argv, env=None, cwd=None, fairseq_logging=None):
     out, err = io.StringIO(), io.StringIO()
     saved = sys.argv, sys.stdout, sys.stderr
     code = 0
-    with _environment(env, cwd), \
+    with _environment(env, cwd), _loaders_stopped_at_the_end(), _signal_handlers_restored(), \
             _root_logger_on(None if fairseq_logging is None
                             else out if fairseq_logging in LOGS_ON_STDOUT else err):
         sys.argv, sys.stdout, sys.stderr = [program, *argv], out, err
@@ -147,3 +195,29 @@ def fairseq(tool, argv, env=None, cwd=None):
         fairseq_patches.install()
     return _run(module.__file__, lambda argv: module.cli_main(), argv, env=env, cwd=cwd,
                 fairseq_logging=tool)
+
+
+def _write(stream, text):
+    stream.write(text.encode() if "b" in getattr(stream, "mode", "") else text)
+    stream.flush()
+
+
+def subprocess_call(argv, stdout=None, stderr=None, **kwargs):
+    """``subprocess.call`` for code that starts ``python -m fairseq_cli.TOOL ...`` (the study's
+    trainings and translations): that command runs here (:func:`fairseq`), its output written
+    to the files ``stdout`` and ``stderr`` (``subprocess.STDOUT``: after its stdout); any other
+    command starts as a process."""
+    argv = [str(a) for a in argv]
+    if argv[1:2] != ["-m"] or not argv[2].startswith("fairseq_cli."):
+        return _process_call(argv, stdout=stdout, stderr=stderr, **kwargs)
+    finished = fairseq(argv[2].removeprefix("fairseq_cli."), argv[3:])
+    if stdout is not None:
+        _write(stdout, finished.stdout)
+    if stderr is subprocess.STDOUT:
+        stderr = stdout
+    if stderr is not None:
+        _write(stderr, finished.stderr)
+    return finished.returncode
+
+
+_process_call = subprocess.call
