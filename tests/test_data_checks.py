@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TOY_BASELINE, USER_DIR, run_command, run_fairseq
+from conftest import TOY_BASELINE, USER_DIR, run_fairseq
+from helpers import in_process
 from helpers.training import SMALL_BATCHES, train_command, train_to_its_end
 
 from multipath_nmt.data_bin_checks import (DataBinError, check_dictionary, check_indexed_file,
@@ -235,12 +236,10 @@ def test_the_advised_command_rebuilds_a_prepared_data_bin_byte_for_byte(tmp_path
             (text / f"{split}.{lang}").write_text("".join(p[column] + "\n" for p in pairs))
     out = tmp_path / "bin" / "syn"
     # the default --workers, as in the advised command (preprocess.log records the number)
-    prepare = ["multipath-prepare", "corpus", "--src", "en", "--tgt", "de",
-               "--bpe-merges", "60", "--out", out,
-               *[arg for s in ("train", "valid", "test") for arg in (f"--{s}", text / s)]]
-    # a process of its own: the default --workers fork a pool, which a process with threads
-    # (this one: the suite's trainings) cannot do safely
-    assert run_command(prepare, timeout=300).returncode == 0
+    prepared = in_process.console_script("multipath-prepare", [
+        "corpus", "--src", "en", "--tgt", "de", "--bpe-merges", "60", "--out", out,
+        *[arg for s in ("train", "valid", "test") for arg in (f"--{s}", text / s)]])
+    assert prepared.returncode == 0, prepared.stderr[-4000:]
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     _truncate(out / "train.en-de.de.bin", 0.5)
 

@@ -6,12 +6,14 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import ROOT, dictionaries_only_data_bin, run_cli, script_env
+from helpers import in_process
 import multipath_nmt
 from multipath_nmt import params, recipe
 
@@ -712,15 +714,16 @@ def test_the_study_keeps_each_finished_run_and_restores_it_in_a_new_work_folder(
 
 
 @pytest.mark.slow
-@pytest.mark.process
-def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path):
-    # study.sh as a user runs it, one thread per process (script_env): these tiny runs gain
-    # nothing from two, which only spin-wait when the machine is busy
+def test_study_at_equal_updates_with_seeds_and_significance(multi30k, tmp_path, monkeypatch):
+    # the study and its fairseq commands in this process (study.sh and its processes are
+    # test_study_end_to_end_at_a_toy_budget's); --workers 1: no tokenizer pool forked from here
     work, results = tmp_path / "work", tmp_path / "results"
-    run_cli([STUDY_SH, "--data", multi30k, "--work", work, "--results", results,
-             "--systems", "deep,mp_original", "--seeds", "2", "--budget-updates", "2",
-             "--max-train-lines", "40", "--max-eval-lines", "20", "--device", "cpu"],
-            env=script_env(), timeout=600)
+    monkeypatch.setattr(subprocess, "call", in_process.subprocess_call)
+    study.main([str(a) for a in [
+        "--data", multi30k, "--work", work, "--results", results,
+        "--systems", "deep,mp_original", "--seeds", "2", "--budget-updates", "2",
+        "--max-train-lines", "40", "--max-eval-lines", "20", "--device", "cpu",
+        "--workers", "1"]])
     report = json.loads((results / "study.json").read_text())
     assert report["config"]["budget_updates"] == 2 and report["config"]["budget_minutes"] is None
     runs_root = work / "train40-eval20" / "runs-2updates"
