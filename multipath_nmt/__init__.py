@@ -8,8 +8,8 @@ models, architectures, criterions and the ``adam_fused`` optimizer.
 import logging
 import os
 
-# fairseq's text_to_speech task calls logging.basicConfig(level=DEBUG) when fairseq is imported;
-# when we are imported first (our own tools), undo that so they do not print DEBUG chatter.
+# fairseq's text_to_speech task calls logging.basicConfig(level=INFO) when fairseq is imported;
+# when we are imported first (our own tools), undo that so they do not print INFO chatter.
 _root_logging = (logging.getLogger().level, list(logging.getLogger().handlers))
 # The same module logs "Please install tensorboardX" at INFO on import, before our tools' own
 # one-line messages; nothing here uses that task.
