@@ -21,7 +21,14 @@ Why flock with that hook, rather than a lock that ``fork`` does not pass on: a P
 a second holder in the same process, and it is dropped as soon as the holder closes any
 descriptor of the file (reading the holder line would release it); an open-file-description lock
 (``F_OFD_SETLK``) is shared through ``fork`` exactly as a flock is.
+
+Where the file system refuses flock (Lustre mounted without ``-o flock``, some NFS: ENOLCK,
+ENOSYS, EOPNOTSUPP, EINVAL), or with ``MULTIPATH_NMT_LOCK=create``, the lock is the lock file's
+exclusive creation (``O_CREAT | O_EXCL``) instead, said once on stderr. No kernel releases that
+one: a file left by a killed run is taken over when its holder line names a process of this host
+that no longer exists; one naming another host refuses the next run until it is removed by hand.
 """
+import errno
 import fcntl
 import json
 import os
@@ -36,6 +43,13 @@ SAVE_DIR_LOCK = "fairseq-train.lock"
 # its lock, a JSON object {file name: text} in this environment variable: nothing is written
 # into a save dir by a run that does not hold it.
 SAVE_DIR_FILES = "MULTIPATH_NMT_SAVE_DIR_FILES"
+
+# flock's errors on a file system that does not support it
+_FLOCK_UNSUPPORTED = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL}
+LOCK_MODE = "MULTIPATH_NMT_LOCK"  # "create": take the exclusive-creation lock without trying flock
+_RETRY_SECONDS = 5  # how often a waiting exclusive-creation lock looks again
+_STALE_EMPTY_SECONDS = 60  # an exclusive-creation lock file still empty after this is left over
+_said_fallback = False
 
 _held = set()  # the locks this process holds
 _descriptors = set()  # their descriptors, and that of a lock being waited for
@@ -73,9 +87,14 @@ class FolderLock:
         """Take the lock. Held by another process: raise :class:`FolderInUseError` naming the
         holder, or with ``wait`` call ``on_wait(holder)`` once and block until it is free."""
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if os.environ.get(LOCK_MODE) == "create":
+            return self._acquire_by_creation(wait, on_wait, "as MULTIPATH_NMT_LOCK=create asks")
         waited = False
         while self._fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), False
             _descriptors.add(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,6 +109,15 @@ class FolderLock:
                     on_wait(holder)
                 waited = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as error:  # flock refused by the file system, or another failure
+                _descriptors.discard(fd)
+                os.close(fd)
+                if error.errno not in _FLOCK_UNSUPPORTED:
+                    raise
+                if created:  # the empty file this attempt made, not another run's lock
+                    os.unlink(self.path)
+                return self._acquire_by_creation(
+                    wait, on_wait, f"flock is not supported there ({errno.errorcode[error.errno]})")
             if _same_file(fd, self.path):
                 self._fd = fd
                 _held.add(self)
@@ -100,16 +128,52 @@ class FolderLock:
         os.write(self._fd, (json.dumps(_this_process()) + "\n").encode("utf-8"))
         return self
 
+    def _acquire_by_creation(self, wait, on_wait, reason):
+        """The lock as the exclusive creation of its file, for a file system without flock."""
+        global _said_fallback
+        if not _said_fallback:
+            _said_fallback = True
+            print(f"multipath_nmt: locking {os.path.dirname(os.path.abspath(self.path))} by creating "
+                  f"{os.path.basename(self.path)}, {reason}; a lock file left by a run killed on "
+                  f"another host must be removed by hand", file=sys.stderr)
+        waited = False
+        while True:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                if _left_over(self.path):
+                    try:
+                        os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                holder = describe_holder(self.path)
+                if not wait:
+                    raise FolderInUseError(f"{os.path.dirname(os.path.abspath(self.path))} is in use "
+                                           f"by {holder}") from None
+                if on_wait is not None and not waited:
+                    on_wait(holder)
+                waited = True
+                time.sleep(_RETRY_SECONDS)
+                continue
+            _descriptors.add(fd)
+            os.write(fd, (json.dumps(_this_process()) + "\n").encode("utf-8"))
+            os.fsync(fd)
+            self._fd = fd
+            _held.add(self)
+            return self
+
     def release(self):
         """Remove the lock file and release the lock (nothing if not held)."""
         if self._fd is None:
             return
         # removed while still locked: a process that opened it meanwhile finds, once it holds
         # the lock, that the path no longer names its file, and starts over (acquire)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if _same_file(self._fd, self.path):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
         _held.discard(self)
         _descriptors.discard(self._fd)
         os.close(self._fd)
@@ -120,6 +184,25 @@ class FolderLock:
 
     def __exit__(self, *exc_info):
         self.release()
+
+
+def _left_over(path):
+    """Whether the exclusive-creation lock file ``path`` is left by a run that no longer exists:
+    its holder line names a dead process of this host, or it has stayed empty a minute."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline()
+        if not line:
+            return time.time() - os.stat(path).st_mtime > _STALE_EMPTY_SECONDS
+        holder = json.loads(line)
+        if holder["host"] != socket.gethostname():
+            return False
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):  # gone meanwhile, alive elsewhere, not ours
+        return False
+    return False
 
 
 def _same_file(fd, path):
