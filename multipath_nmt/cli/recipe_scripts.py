@@ -1,5 +1,6 @@
-"""scripts/train.sh and scripts/translate.sh (``scripts/run-recipe.sh`` runs :func:`main`): print
-the plan and the command that :mod:`multipath_nmt.recipe` builds, then run it. No argparse:
+"""multipath-train and multipath-translate, and scripts/train.sh and scripts/translate.sh in a
+checkout (``scripts/run-recipe.sh`` runs :func:`main`): print the plan and the command that
+:mod:`multipath_nmt.recipe` builds, then run it. No argparse:
 every argument but ``--dry-run`` goes to the library, which passes fairseq's on unread."""
 import os
 import shlex
@@ -12,13 +13,13 @@ from multipath_nmt.recipe.save_dir import fairseq_train_environment
 from multipath_nmt.recipe.translation import check_output_prefix, run_decoder
 
 
-def _train_sh(args: List[str], dry_run: bool) -> None:
+def _train_sh(args: List[str], dry_run: bool, name: str = "train.sh") -> None:
     data_bin, save_dir, args = args[0], args[1], args[2:]
     if os.environ.get("MAX_TOKENS"):  # a cap that the command line's --max-tokens replaces
         args = [f"--max-tokens={os.environ['MAX_TOKENS']}", *args]
     command = train_command(data_bin, save_dir, args)
     for line in command.notes + [shlex.join(command.argv)]:
-        print(f"train.sh: {line}", flush=True)
+        print(f"{name}: {line}", flush=True)
     if not dry_run:
         # the save dir checked, nothing written into it: fairseq-train's rank 0 writes the batch
         # record once it holds the save dir
@@ -28,19 +29,21 @@ def _train_sh(args: List[str], dry_run: bool) -> None:
         os.execv(command.argv[0], command.argv)
 
 
-def _translate_sh(args: List[str], dry_run: bool) -> None:
+def _translate_sh(args: List[str], dry_run: bool, name: str = "translate.sh") -> None:
     data_bin, checkpoint, out, args = args[0], args[1], args[2], args[3:]
+    if not os.path.isfile(checkpoint):
+        raise RecipeError(f"{checkpoint}: no such checkpoint")
     check_output_prefix(out)
     command = generate_command(data_bin, checkpoint, args)
     for line in command.notes + [f"{shlex.join(command.argv)} > {out}.generate"]:
-        print(f"translate.sh: {line}", flush=True)
+        print(f"{name}: {line}", flush=True)
     if dry_run:
         return
     code = run_decoder(command.argv, out)
     if code:
         sys.exit(code)
     count = finish_translation(out)
-    print(f"translate.sh: wrote {out}.generate, {out}.hyp ({count} lines) and {out}.ref")
+    print(f"{name}: wrote {out}.generate, {out}.hyp ({count} lines) and {out}.ref")
 
 
 def main(argv=None):
@@ -49,11 +52,35 @@ def main(argv=None):
     becomes fairseq-train; translate.sh writes OUT.generate, OUT.hyp and OUT.ref) unless
     ``--dry-run`` is among the arguments; one error line and exit 1 on a bad request."""
     tool, *args = sys.argv[1:] if argv is None else argv
-    run = {"train.sh": _train_sh, "translate.sh": _translate_sh}[tool]
+    run, usage = _TOOLS[tool]
+    positional = usage.split("[")[0].split()
+    if args and args[0] in ("-h", "--help"):
+        print(f"usage: {tool} {usage}")
+        return
+    if len([a for a in args if a != "--dry-run"]) < len(positional):
+        sys.exit(f"usage: {tool} {usage}")
     try:
-        run([a for a in args if a != "--dry-run"], "--dry-run" in args)
+        run([a for a in args if a != "--dry-run"], "--dry-run" in args, tool)
     except RecipeError as error:
         sys.exit(f"{tool}: error: {error}")
     except ImportError as error:
         sys.exit(f"{tool}: error: cannot count GPUs ({error}); activate the environment or set "
                  "PYTHON")
+
+
+_TRAIN_USAGE = ("DATA_BIN SAVE_DIR --arch ARCH [--dry-run] [recipe and fairseq-train args...] "
+                "(docs: the README's \"Training a real model\", scripts/train.sh's header)")
+_TRANSLATE_USAGE = ("DATA_BIN CHECKPOINT OUT_PREFIX [--fp32] [--dry-run] [fairseq-generate args...]")
+_TOOLS = {"train.sh": (_train_sh, _TRAIN_USAGE), "multipath-train": (_train_sh, _TRAIN_USAGE),
+          "translate.sh": (_translate_sh, _TRANSLATE_USAGE),
+          "multipath-translate": (_translate_sh, _TRANSLATE_USAGE)}
+
+
+def train_main():
+    """multipath-train: train.sh as an installed command."""
+    main(["multipath-train", *sys.argv[1:]])
+
+
+def translate_main():
+    """multipath-translate: translate.sh as an installed command."""
+    main(["multipath-translate", *sys.argv[1:]])
