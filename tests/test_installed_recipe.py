@@ -32,8 +32,8 @@ def test_multipath_train_prints_the_train_sh_plan_under_its_own_name(data_bin, t
 
 def test_the_installed_commands_answer_usage_and_help_in_one_line(data_bin):
     short = in_process.call(recipe_scripts.main, ["multipath-train", data_bin])
-    assert (short.returncode, short.stderr.splitlines()[0][:37]) == (
-        1, "usage: multipath-train DATA_BIN SAVE_")
+    assert (short.returncode, short.stderr) == (
+        2, "multipath-train: error: SAVE_DIR missing (--help lists the options)\n")
     helped = in_process.call(recipe_scripts.main, ["multipath-translate", "--help"])
     assert helped.returncode == 0
     assert helped.stdout.startswith("usage: multipath-translate DATA_BIN CHECKPOINT OUT_PREFIX")

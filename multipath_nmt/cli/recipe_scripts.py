@@ -7,6 +7,7 @@ import shlex
 import sys
 from typing import List
 
+from multipath_nmt.cli import package_version
 from multipath_nmt.recipe import (LAUNCHER_MODULE, RecipeError, finish_translation,
                                   generate_command, run_launcher, train_command)
 from multipath_nmt.recipe.save_dir import fairseq_train_environment
@@ -53,12 +54,18 @@ def main(argv=None):
     ``--dry-run`` is among the arguments; one error line and exit 1 on a bad request."""
     tool, *args = sys.argv[1:] if argv is None else argv
     run, usage = _TOOLS[tool]
-    positional = usage.split("[")[0].split()
+    positional = usage.split("[")[0].split(" --")[0].split()
     if args and args[0] in ("-h", "--help"):
         print(f"usage: {tool} {usage}")
-        return
-    if len([a for a in args if a != "--dry-run"]) < len(positional):
-        sys.exit(f"usage: {tool} {usage}")
+        sys.exit(0)
+    if args and args[0] == "--version":
+        print(f"{tool} (multipath_nmt {package_version()})")
+        sys.exit(0)
+    given = [a for a in args if a != "--dry-run"]
+    if len(given) < len(positional):
+        print(f"{tool}: error: {' '.join(positional[len(given):])} missing "
+              "(--help lists the options)", file=sys.stderr)
+        sys.exit(2)
     try:
         run([a for a in args if a != "--dry-run"], "--dry-run" in args, tool)
     except RecipeError as error:
@@ -76,11 +83,11 @@ _TOOLS = {"train.sh": (_train_sh, _TRAIN_USAGE), "multipath-train": (_train_sh, 
           "multipath-translate": (_translate_sh, _TRANSLATE_USAGE)}
 
 
-def train_main():
+def train_main(argv=None):
     """multipath-train: train.sh as an installed command."""
-    main(["multipath-train", *sys.argv[1:]])
+    main(["multipath-train", *(sys.argv[1:] if argv is None else argv)])
 
 
-def translate_main():
+def translate_main(argv=None):
     """multipath-translate: translate.sh as an installed command."""
-    main(["multipath-translate", *sys.argv[1:]])
+    main(["multipath-translate", *(sys.argv[1:] if argv is None else argv)])
