@@ -103,8 +103,7 @@ class FolderLock:
                 if not wait:
                     _descriptors.discard(fd)
                     os.close(fd)
-                    raise FolderInUseError(f"{os.path.dirname(os.path.abspath(self.path))} is in use "
-                                           f"by {holder}") from None
+                    raise self._in_use(holder) from None
                 if on_wait is not None and not waited:
                     on_wait(holder)
                 waited = True
@@ -125,8 +124,12 @@ class FolderLock:
                 _descriptors.discard(fd)
                 os.close(fd)
         os.ftruncate(self._fd, 0)
-        os.write(self._fd, (json.dumps(_this_process()) + "\n").encode("utf-8"))
+        _write_holder(self._fd)
         return self
+
+    def _in_use(self, holder):
+        return FolderInUseError(f"{os.path.dirname(os.path.abspath(self.path))} is in use by "
+                                f"{holder}")
 
     def _acquire_by_creation(self, wait, on_wait, reason):
         """The lock as the exclusive creation of its file, for a file system without flock."""
@@ -149,15 +152,14 @@ class FolderLock:
                     continue
                 holder = describe_holder(self.path)
                 if not wait:
-                    raise FolderInUseError(f"{os.path.dirname(os.path.abspath(self.path))} is in use "
-                                           f"by {holder}") from None
+                    raise self._in_use(holder) from None
                 if on_wait is not None and not waited:
                     on_wait(holder)
                 waited = True
                 time.sleep(_RETRY_SECONDS)
                 continue
             _descriptors.add(fd)
-            os.write(fd, (json.dumps(_this_process()) + "\n").encode("utf-8"))
+            _write_holder(fd)
             os.fsync(fd)
             self._fd = fd
             _held.add(self)
@@ -212,6 +214,10 @@ def _same_file(fd, path):
         return False
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _write_holder(fd):
+    os.write(fd, (json.dumps(_this_process()) + "\n").encode("utf-8"))
 
 
 def _this_process():
