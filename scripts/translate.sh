@@ -16,6 +16,5 @@ if [ $# -lt 3 ]; then
     echo "usage: $0 DATA_BIN CHECKPOINT OUT_PREFIX [fairseq-generate args...]" >&2
     exit 1
 fi
-[ -f "$2" ] || { echo "translate.sh: $2: no such checkpoint" >&2; exit 1; }
 source "$(dirname "${BASH_SOURCE[0]}")/run-recipe.sh"
 run_recipe translate.sh "$@"

@@ -14,14 +14,18 @@ def package_version():
         return "unknown"
 
 
+def version_line(prog):
+    """What ``PROG --version`` prints."""
+    return f"{prog} (multipath_nmt {package_version()})"
+
+
 class ToolParser(argparse.ArgumentParser):
     """argparse for our tools: ``--version``, and a bad command line refused in one line
     (argparse prints its whole usage first; ``--help`` still does)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.add_argument("--version", action="version",
-                          version=f"%(prog)s (multipath_nmt {package_version()})")
+        self.add_argument("--version", action="version", version=version_line(self.prog))
 
     def error(self, message):
         sys.stderr.write(f"{self.prog}: error: {message} (--help lists the options)\n")

@@ -7,7 +7,7 @@ import shlex
 import sys
 from typing import List
 
-from multipath_nmt.cli import package_version
+from multipath_nmt.cli import ToolParser, version_line
 from multipath_nmt.recipe import (LAUNCHER_MODULE, RecipeError, finish_translation,
                                   generate_command, run_launcher, train_command)
 from multipath_nmt.recipe.save_dir import fairseq_train_environment
@@ -51,23 +51,21 @@ def main(argv=None):
     """train.sh and translate.sh (``train.sh DATA_BIN SAVE_DIR ARGS...`` or ``translate.sh
     DATA_BIN CHECKPOINT OUT ARGS...``): print the plan and the command, then run it (train.sh
     becomes fairseq-train; translate.sh writes OUT.generate, OUT.hyp and OUT.ref) unless
-    ``--dry-run`` is among the arguments; one error line and exit 1 on a bad request."""
+    ``--dry-run`` is among the arguments; one error line and exit 1 on a bad request, exit 2 on
+    a command line short of its positional arguments."""
     tool, *args = sys.argv[1:] if argv is None else argv
-    run, usage = _TOOLS[tool]
-    positional = usage.split("[")[0].split(" --")[0].split()
+    run, positional, usage = _TOOLS[tool]
     if args and args[0] in ("-h", "--help"):
         print(f"usage: {tool} {usage}")
         sys.exit(0)
     if args and args[0] == "--version":
-        print(f"{tool} (multipath_nmt {package_version()})")
+        print(version_line(tool))
         sys.exit(0)
     given = [a for a in args if a != "--dry-run"]
     if len(given) < len(positional):
-        print(f"{tool}: error: {' '.join(positional[len(given):])} missing "
-              "(--help lists the options)", file=sys.stderr)
-        sys.exit(2)
+        ToolParser(prog=tool).error(f"{' '.join(positional[len(given):])} missing")
     try:
-        run([a for a in args if a != "--dry-run"], "--dry-run" in args, tool)
+        run(given, "--dry-run" in args, tool)
     except RecipeError as error:
         sys.exit(f"{tool}: error: {error}")
     except ImportError as error:
@@ -75,12 +73,14 @@ def main(argv=None):
                  "PYTHON")
 
 
-_TRAIN_USAGE = ("DATA_BIN SAVE_DIR --arch ARCH [--dry-run] [recipe and fairseq-train args...] "
-                "(docs: the README's \"Training a real model\", scripts/train.sh's header)")
-_TRANSLATE_USAGE = ("DATA_BIN CHECKPOINT OUT_PREFIX [--fp32] [--dry-run] [fairseq-generate args...]")
-_TOOLS = {"train.sh": (_train_sh, _TRAIN_USAGE), "multipath-train": (_train_sh, _TRAIN_USAGE),
-          "translate.sh": (_translate_sh, _TRANSLATE_USAGE),
-          "multipath-translate": (_translate_sh, _TRANSLATE_USAGE)}
+_TRAIN = (_train_sh, ("DATA_BIN", "SAVE_DIR"),
+          "DATA_BIN SAVE_DIR --arch ARCH [--dry-run] [recipe and fairseq-train args...] "
+          "(docs: the README's \"Training a real model\", scripts/train.sh's header)")
+_TRANSLATE = (_translate_sh, ("DATA_BIN", "CHECKPOINT", "OUT_PREFIX"),
+              "DATA_BIN CHECKPOINT OUT_PREFIX [--fp32] [--dry-run] [fairseq-generate args...]")
+# each by its installed name and by its script's name in a checkout
+_TOOLS = {"multipath-train": _TRAIN, "train.sh": _TRAIN,
+          "multipath-translate": _TRANSLATE, "translate.sh": _TRANSLATE}
 
 
 def train_main(argv=None):
